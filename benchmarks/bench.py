@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""FlashAttention-3 paper sweep: jax_fa3 vs cuDNN (and optionally XLA) in JAX.
+
+Sweep (FlashAttention-3 paper, Sec. 4.1): 16k tokens in total
+(``batch = 16384 // seqlen``), hidden size 2048 (``heads = 2048 // head_dim``),
+seqlen 512 .. 16k, head dim 64 / 128 / 256, causal off / on, forward and
+backward, BTNH layout, bf16 by default.
+
+FLOPs: ``4 * batch * heads * seqlen**2 * head_dim`` for the forward, halved
+when causal; the backward counts 2.5x the forward.
+
+Timing: every implementation is a ``jax.jit``-ed function, all of them in the
+same process on the same inputs.  After a warm-up (compile + a few calls) the
+time of one call is estimated, then ``N`` back-to-back calls (``N`` chosen so a
+run lasts >= ``--min-run-ms``) are timed with ``jax.block_until_ready`` on the
+last result (device-synchronized, wall clock); the reported time is the min
+over ``--repeats`` runs of the per-call mean.  Calls rotate over
+``--rotate`` independent input sets (each tensor is 64 MiB, larger than the
+H100/H200 L2, so this mostly guards against cross-call reuse).
+Backward time = time(forward + backward through ``jax.vjp``) - time(forward).
+
+Configurations an implementation cannot run (``ValueError`` /
+``NotImplementedError`` at trace time, e.g. a head dim the fa3 build lacks, or
+cuDNN limits) or that run out of memory are skipped with a printed reason.
+
+This file imports without a GPU (and without jax, for ``--help`` and
+``--dry-run``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import functools
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+TOTAL_TOKENS = 16384
+HIDDEN = 2048
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_HDIMS = (64, 128, 256)
+QUICK_SEQLENS = (1024, 4096, 8192)
+QUICK_HDIMS = (128,)
+IMPLS = ("fa3", "cudnn", "xla")
+MODES = ("fwd", "bwd")
+
+CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
+              "heads", "ms", "tflops", "ratio_vs_cudnn", "iters", "status")
+
+
+# ---------------------------------------------------------------------------
+# Plan, FLOPs, formatting (no jax needed).
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+  hdim: int
+  causal: bool
+  seqlen: int
+  batch: int
+  heads: int
+
+
+@dataclass
+class Row:
+  impl: str
+  mode: str
+  dtype: str
+  shape: Shape
+  ms: float | None = None
+  tflops: float | None = None
+  ratio: float | None = None
+  iters: int = 0
+  status: str = "ok"
+
+
+def attn_flops(batch: int, heads: int, seqlen: int, hdim: int, causal: bool,
+               mode: str = "fwd") -> float:
+  """FLOPs of one call: 4*b*h*s^2*d, /2 if causal, x2.5 for the backward."""
+  f = 4.0 * batch * heads * seqlen * seqlen * hdim
+  if causal:
+    f /= 2
+  if mode == "bwd":
+    f *= 2.5
+  elif mode != "fwd":
+    raise ValueError(f"mode must be fwd or bwd, got {mode!r}")
+  return f
+
+
+def tflops_of(flops: float, ms: float | None) -> float | None:
+  if ms is None or ms <= 0:
+    return None
+  return flops / (ms * 1e-3) / 1e12
+
+
+def plan(seqlens, hdims, causals, tokens: int = TOTAL_TOKENS,
+         hidden: int = HIDDEN) -> list[Shape]:
+  """The sweep: batch = tokens // seqlen (>= 1), heads = hidden // hdim."""
+  out = []
+  for hd in hdims:
+    if hidden % hd:
+      raise ValueError(f"head dim {hd} does not divide hidden {hidden}")
+    for causal in causals:
+      for s in seqlens:
+        b = max(1, tokens // s)
+        out.append(Shape(hd, causal, s, b, hidden // hd))
+  return out
+
+
+def fill_ratios(rows: list[Row]) -> None:
+  """ratio_vs_cudnn = TFLOP/s(impl) / TFLOP/s(cudnn) on the same config."""
+  cud = {(r.mode, r.shape): r.tflops for r in rows
+         if r.impl == "cudnn" and r.tflops}
+  for r in rows:
+    base = cud.get((r.mode, r.shape))
+    r.ratio = (r.tflops / base) if (r.tflops and base) else None
+
+
+TABLE_COLS = ("impl", "mode", "d", "causal", "seqlen", "batch", "heads", "ms",
+              "TFLOP/s", "ratio_vs_cudnn")
+
+
+def _cells(r: Row, max_status: int = 0) -> list[str]:
+  s = r.shape
+  if r.status != "ok":
+    st = r.status.replace("|", "/")
+    if max_status and len(st) > max_status:
+      st = st[:max_status - 3] + "..."
+    tail = ["-", "-", st]
+  else:
+    tail = [f"{r.ms:.3f}", f"{r.tflops:.1f}",
+            f"{r.ratio:.2f}" if r.ratio is not None else "-"]
+  return [r.impl, r.mode, str(s.hdim), "yes" if s.causal else "no",
+          str(s.seqlen), str(s.batch), str(s.heads)] + tail
+
+
+def _sort_key(r: Row):
+  s = r.shape
+  return (MODES.index(r.mode) if r.mode in MODES else 9, s.hdim, s.causal,
+          s.seqlen, IMPLS.index(r.impl) if r.impl in IMPLS else 9)
+
+
+def format_table(rows: list[Row], markdown: bool = False) -> str:
+  rows = sorted(rows, key=_sort_key)
+  body = [_cells(r, 0 if markdown else 60) for r in rows]
+  if markdown:
+    lines = ["| " + " | ".join(TABLE_COLS) + " |",
+             "|" + "|".join(["---"] * 7 + ["---:"] * 3) + "|"]
+    lines += ["| " + " | ".join(c) + " |" for c in body]
+    return "\n".join(lines)
+  widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h)
+            for i, h in enumerate(TABLE_COLS)]
+  fmt = lambda cells: " | ".join(  # noqa: E731
+      c.rjust(w) if 4 <= i < len(TABLE_COLS) - 1 else c.ljust(w)
+      for i, (c, w) in enumerate(zip(cells, widths)))
+  lines = [fmt(TABLE_COLS), "-+-".join("-" * w for w in widths)]
+  lines += [fmt(c) for c in body]
+  return "\n".join(lines)
+
+
+def write_csv(rows: list[Row], path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(CSV_FIELDS)
+    for r in sorted(rows, key=_sort_key):
+      s = r.shape
+      w.writerow([r.impl, r.mode, r.dtype, s.hdim, int(s.causal), s.seqlen,
+                  s.batch, s.heads,
+                  "" if r.ms is None else f"{r.ms:.5f}",
+                  "" if r.tflops is None else f"{r.tflops:.2f}",
+                  "" if r.ratio is None else f"{r.ratio:.3f}",
+                  r.iters, r.status])
+  os.replace(tmp, path)
+
+
+def plot(rows: list[Row], path: str, title: str = "") -> bool:
+  """TFLOP/s vs seqlen, one panel per (mode, causal, head dim)."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except Exception as e:  # noqa: BLE001
+    print(f"[plot] matplotlib not available ({e}); skipping {path}")
+    return False
+  ok = [r for r in rows if r.status == "ok" and r.tflops]
+  if not ok:
+    print("[plot] no successful measurements; skipping plot")
+    return False
+  modes = [m for m in MODES if any(r.mode == m for r in ok)]
+  panels = sorted({(r.shape.causal, r.shape.hdim) for r in ok})
+  impls = [i for i in IMPLS if any(r.impl == i for r in ok)]
+  style = {"fa3": ("tab:red", "o"), "cudnn": ("tab:green", "s"),
+           "xla": ("tab:blue", "^")}
+  nr, nc = len(modes), len(panels)
+  fig, axes = plt.subplots(nr, nc, figsize=(3.6 * nc, 3.0 * nr),
+                           squeeze=False, sharey="row")
+  for i, m in enumerate(modes):
+    for j, (causal, hd) in enumerate(panels):
+      ax = axes[i][j]
+      for impl in impls:
+        pts = sorted((r.shape.seqlen, r.tflops) for r in ok
+                     if r.mode == m and r.impl == impl
+                     and r.shape.causal == causal and r.shape.hdim == hd)
+        if not pts:
+          continue
+        c, mk = style.get(impl, (None, "x"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=mk, color=c,
+                label=impl)
+      ax.set_xscale("log", base=2)
+      xs = sorted({r.shape.seqlen for r in ok})
+      ax.set_xticks(xs)
+      ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 else str(x)
+                          for x in xs])
+      ax.set_title(f"{m}, d={hd}, {'causal' if causal else 'non-causal'}",
+                   fontsize=9)
+      ax.grid(True, alpha=0.3)
+      if j == 0:
+        ax.set_ylabel("TFLOP/s")
+      if i == nr - 1:
+        ax.set_xlabel("seqlen")
+      ax.legend(fontsize=7)
+  if title:
+    fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"[plot] wrote {path}")
+  return True
+
+
+def _run(cmd: list[str]) -> str | None:
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    return out.stdout.strip() if out.returncode == 0 else None
+  except Exception:  # noqa: BLE001
+    return None
+
+
+def environment(with_jax: bool = True) -> dict:
+  """GPU, driver, versions and date for the header line."""
+  env = {"date": datetime.datetime.now().astimezone().isoformat(
+      timespec="seconds"), "python": platform.python_version()}
+  drv = _run(["nvidia-smi", "--query-gpu=driver_version",
+              "--format=csv,noheader"])
+  env["driver"] = drv.splitlines()[0] if drv else "n/a"
+  if not with_jax:
+    return env
+  import jax
+  env["jax"] = jax.__version__
+  try:
+    from importlib.metadata import version
+    env["jaxlib"] = version("jaxlib")
+  except Exception:  # noqa: BLE001
+    env["jaxlib"] = getattr(getattr(jax, "lib", None), "__version__", "n/a")
+  try:
+    from jax._src.lib import cuda_versions  # type: ignore
+    v = cuda_versions.cudnn_get_version() if cuda_versions else None
+    env["cudnn"] = str(v) if v else "n/a"
+  except Exception:  # noqa: BLE001
+    env["cudnn"] = "n/a"
+  try:
+    env["gpu"] = jax.devices()[0].device_kind
+    env["platform"] = jax.devices()[0].platform
+  except Exception as e:  # noqa: BLE001
+    env["gpu"] = f"n/a ({e})"
+  try:
+    _import_jax_fa3()
+    import jax_fa3._native as native
+    cfg = sorted(native.compiled_configs(), key=lambda c: (c[0], c[1]))
+    env["fa3_configs"] = ",".join(f"{d}:{h}" for d, h in cfg) or "none"
+  except Exception as e:  # noqa: BLE001
+    env["fa3_configs"] = f"n/a ({type(e).__name__})"
+  return env
+
+
+def header_line(env: dict) -> str:
+  keys = ("gpu", "driver", "jax", "jaxlib", "cudnn", "fa3_configs", "python",
+          "date")
+  return "# " + " | ".join(f"{k}={env[k]}" for k in keys if k in env)
+
+
+# ---------------------------------------------------------------------------
+# Measurement (jax imported lazily).
+# ---------------------------------------------------------------------------
+
+
+def _import_jax_fa3():
+  try:
+    import jax_fa3
+  except ImportError:  # run from a checkout: python benchmarks/bench.py
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+      sys.path.insert(0, root)
+    import jax_fa3
+  return jax_fa3
+
+
+def _attn_fn(impl: str, causal: bool):
+  import jax
+  if impl == "fa3":
+    jax_fa3 = _import_jax_fa3()
+    return functools.partial(jax_fa3.attention, is_causal=causal,
+                             implementation="fa3")
+  if impl in ("cudnn", "xla"):
+    return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                             implementation=impl)
+  raise ValueError(f"unknown impl {impl!r}")
+
+
+def make_inputs(shape: Shape, dtype, n_sets: int, seed: int = 0):
+  import jax
+  import jax.numpy as jnp
+  dims = (shape.batch, shape.seqlen, shape.heads, shape.hdim)
+  sets = []
+  for i in range(n_sets):
+    ks = jax.random.split(jax.random.key(seed * 1000 + i), 4)
+    sets.append(tuple(jax.random.normal(k, dims, jnp.float32).astype(dtype)
+                      for k in ks))  # q, k, v, dout
+  jax.block_until_ready(sets)
+  return sets
+
+
+def time_fn(fn, arg_sets, *, warmup: int, repeats: int, min_run_s: float,
+            max_iters: int) -> tuple[float, int]:
+  """Min over `repeats` of the mean time (s) of N back-to-back calls."""
+  import jax
+  n = len(arg_sets)
+  for i in range(max(1, warmup)):
+    jax.block_until_ready(fn(*arg_sets[i % n]))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*arg_sets[0]))
+  est = max(time.perf_counter() - t0, 1e-6)
+  iters = int(min(max_iters, max(3, math.ceil(min_run_s / est))))
+  best = float("inf")
+  for _ in range(repeats):
+    out = None
+    t0 = time.perf_counter()
+    for i in range(iters):
+      out = fn(*arg_sets[i % n])
+    jax.block_until_ready(out)
+    best = min(best, (time.perf_counter() - t0) / iters)
+    del out
+  return best, iters
+
+
+def _classify(e: BaseException) -> str | None:
+  """Skip reason for expected failures, None for unexpected ones."""
+  msg = str(e)
+  low = msg.lower()
+  if ("resource_exhausted" in low or "out of memory" in low
+      or "oom" in low.split()):
+    return "OOM"
+  first = msg.strip().splitlines()[0] if msg.strip() else ""
+  if isinstance(e, (ValueError, NotImplementedError, TypeError)):
+    return f"unsupported ({type(e).__name__}: {first[:160]})"
+  return None
+
+
+def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
+  import jax
+  import jax.numpy as jnp
+  dtype = jnp.dtype(dtype_name)
+  rows = []
+  try:
+    sets = make_inputs(shape, dtype, args.rotate)
+  except Exception as e:  # noqa: BLE001
+    reason = _classify(e) or f"error ({type(e).__name__})"
+    print(f"  skip all impls {shape}: inputs: {reason}", flush=True)
+    for impl in impls:
+      for m in modes:
+        rows.append(Row(impl, m, dtype_name, shape, status=reason))
+    return rows
+
+  kw = dict(warmup=args.warmup, repeats=args.repeats,
+            min_run_s=args.min_run_ms / 1e3, max_iters=args.max_iters)
+  for impl in impls:
+    try:
+      attn = _attn_fn(impl, shape.causal)
+    except Exception as e:  # noqa: BLE001
+      reason = f"unavailable ({type(e).__name__}: {str(e)[:120]})"
+      print(f"  skip {impl} {shape}: {reason}", flush=True)
+      rows += [Row(impl, m, dtype_name, shape, status=reason) for m in modes]
+      continue
+    fwd = jax.jit(lambda q, k, v, do: attn(q, k, v))
+
+    @jax.jit
+    def fwd_bwd(q, k, v, do):
+      _, pull = jax.vjp(attn, q, k, v)
+      return pull(do)
+
+    t_fwd = t_fb = None
+    fwd_iters = 0
+    for m in modes:
+      row = Row(impl, m, dtype_name, shape)
+      try:
+        if t_fwd is None:  # bwd needs the forward time as well
+          t_fwd, fwd_iters = time_fn(fwd, sets, **kw)
+        if m == "fwd":
+          t, row.iters = t_fwd, fwd_iters
+        else:
+          t_fb, row.iters = time_fn(fwd_bwd, sets, **kw)
+          t = t_fb - t_fwd
+          if t <= 0:
+            raise RuntimeError(f"fwd+bwd ({t_fb * 1e3:.3f} ms) <= fwd "
+                               f"({t_fwd * 1e3:.3f} ms)")
+        row.ms = t * 1e3
+        row.tflops = tflops_of(
+            attn_flops(shape.batch, shape.heads, shape.seqlen, shape.hdim,
+                       shape.causal, m), row.ms)
+        print(f"  {impl:5s} {m} d={shape.hdim} causal={int(shape.causal)} "
+              f"s={shape.seqlen:5d} b={shape.batch:2d} h={shape.heads:2d}: "
+              f"{row.ms:8.3f} ms {row.tflops:7.1f} TFLOP/s", flush=True)
+      except Exception as e:  # noqa: BLE001
+        reason = _classify(e)
+        if reason is None:
+          first = (str(e).strip().splitlines() or [""])[0]
+          reason = f"error ({type(e).__name__}: {first[:160]})"
+        row.status = reason
+        print(f"  skip {impl} {m} d={shape.hdim} causal={int(shape.causal)} "
+              f"s={shape.seqlen}: {reason}", flush=True)
+        if m == "fwd" or t_fwd is None:
+          # Without a forward time no backward number either.
+          for m2 in modes[modes.index(m) + 1:]:
+            rows.append(Row(impl, m2, dtype_name, shape, status=reason))
+          rows.append(row)
+          break
+      rows.append(row)
+    del fwd, fwd_bwd
+  del sets
+  return rows
+
+
+# ---------------------------------------------------------------------------
+# CLI.
+# ---------------------------------------------------------------------------
+
+
+def _int_list(s: str) -> list[int]:
+  out = []
+  for tok in s.split(","):
+    tok = tok.strip().lower()
+    if not tok:
+      continue
+    mult = 1024 if tok.endswith("k") else 1
+    out.append(int(tok[:-1] if mult > 1 else tok) * mult)
+  return out
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(
+      description="FlashAttention-3 paper sweep: jax_fa3 vs cuDNN (vs XLA).",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--seqlens", type=_int_list,
+                 default=list(DEFAULT_SEQLENS),
+                 help="comma list, 'k' suffix allowed (512,1k,2k,...)")
+  p.add_argument("--hdims", type=_int_list, default=list(DEFAULT_HDIMS),
+                 help="comma list of head dims")
+  p.add_argument("--causal", choices=("0", "1", "both"), default="both")
+  p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+  p.add_argument("--modes", default="fwd,bwd", help="fwd, bwd or fwd,bwd")
+  p.add_argument("--impls", default="fa3,cudnn",
+                 help=f"comma list from {','.join(IMPLS)}")
+  p.add_argument("--tokens", type=int, default=TOTAL_TOKENS,
+                 help="total tokens per call: batch = tokens // seqlen")
+  p.add_argument("--hidden", type=int, default=HIDDEN,
+                 help="hidden size: heads = hidden // head_dim")
+  p.add_argument("--quick", action="store_true",
+                 help="d=128 only, seqlens 1k,4k,8k, causal both")
+  p.add_argument("--out", default=os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), "out"),
+                 help="output dir for results.csv and bench.png")
+  p.add_argument("--markdown", action="store_true",
+                 help="also print the table as markdown (for RESULTS.md)")
+  p.add_argument("--dry-run", action="store_true",
+                 help="print the planned configs and FLOPs; no GPU work")
+  p.add_argument("--no-plot", action="store_true")
+  p.add_argument("--rotate", type=int, default=3,
+                 help="number of input sets calls rotate over")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--min-run-ms", type=float, default=100.0,
+                 help="each timed run lasts at least this long")
+  p.add_argument("--max-iters", type=int, default=500)
+  a = p.parse_args(argv)
+  if a.quick:
+    a.seqlens, a.hdims, a.causal = list(QUICK_SEQLENS), list(QUICK_HDIMS), "both"
+  a.causals = {"0": [False], "1": [True], "both": [False, True]}[a.causal]
+  a.mode_list = [m.strip() for m in a.modes.split(",") if m.strip()]
+  a.impl_list = [i.strip() for i in a.impls.split(",") if i.strip()]
+  for m in a.mode_list:
+    if m not in MODES:
+      p.error(f"--modes: unknown mode {m!r}")
+  for i in a.impl_list:
+    if i not in IMPLS:
+      p.error(f"--impls: unknown impl {i!r}")
+  a.mode_list = [m for m in MODES if m in a.mode_list]
+  a.dtype_name = {"bf16": "bfloat16", "fp16": "float16"}[a.dtype]
+  if a.rotate < 1 or a.repeats < 1:
+    p.error("--rotate and --repeats must be >= 1")
+  return a
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  shapes = plan(args.seqlens, args.hdims, args.causals, args.tokens,
+                args.hidden)
+
+  if args.dry_run:
+    env = environment(with_jax=False)
+    print(header_line(env) + " | dry-run")
+    rows = [Row(i, m, args.dtype_name, s, status="planned")
+            for s in shapes for i in args.impl_list for m in args.mode_list]
+    print(f"# {len(shapes)} shapes x {len(args.impl_list)} impls x "
+          f"{len(args.mode_list)} modes = {len(rows)} measurements, "
+          f"dtype={args.dtype_name}")
+    for s in shapes:
+      fl = ", ".join(f"{m} {attn_flops(s.batch, s.heads, s.seqlen, s.hdim, s.causal, m) / 1e12:.3f} TFLOP"  # noqa: E501
+                     for m in args.mode_list)
+      print(f"  d={s.hdim:3d} causal={int(s.causal)} seqlen={s.seqlen:5d} "
+            f"batch={s.batch:2d} heads={s.heads:2d}: {fl}")
+    print(format_table(rows, markdown=args.markdown))
+    return 0
+
+  env = environment(with_jax=True)
+  header = header_line(env) + f" | dtype={args.dtype_name}"
+  print(header, flush=True)
+  if env.get("platform") not in ("gpu", "cuda"):
+    print(f"warning: default device platform is {env.get('platform')!r}; "
+          "numbers will not be meaningful", flush=True)
+
+  os.makedirs(args.out, exist_ok=True)
+  csv_path = os.path.join(args.out, "results.csv")
+  rows: list[Row] = []
+  t_start = time.time()
+  try:
+    for s in sorted(shapes, key=lambda x: (x.hdim, x.seqlen, x.causal)):
+      rows += measure_shape(s, args.impl_list, args.mode_list,
+                            args.dtype_name, args)
+      fill_ratios(rows)
+      write_csv(rows, csv_path)  # incremental: partial results survive
+  except KeyboardInterrupt:
+    print("interrupted; writing partial results", flush=True)
+  fill_ratios(rows)
+  write_csv(rows, csv_path)
+  print(f"\n{header} | wall={time.time() - t_start:.0f}s")
+  print(format_table(rows))
+  if args.markdown:
+    print()
+    print(f"{header}\n")
+    print(format_table(rows, markdown=True))
+  print(f"\nwrote {csv_path}")
+  if not args.no_plot:
+    plot(rows, os.path.join(args.out, "bench.png"),
+         title=f"{env.get('gpu', '')} {args.dtype_name} "
+               f"({args.tokens} tokens, hidden {args.hidden})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,111 @@
+// XLA FFI handler for the forward pass: validates what the kernel relies on,
+// fills FwdParams and dispatches to the compiled instantiation. Thin on
+// purpose: shape policy lives in Python, kernels live in cc/fwd.
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+#include "xla/ffi/api/ffi.h"
+
+#include "../fwd/params.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_fa3 {
+namespace {
+
+int sm_count() {
+  static const int count = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n;
+  }();
+  return count;
+}
+
+ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   float scale, float softcap, int32_t window_left, int32_t window_right) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument("jax_fa3_fwd: q, k, v must be rank 4 [B, T, N, H]");
+  }
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
+      o->element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("jax_fa3_fwd: q, k, v, out must share one dtype");
+  }
+  DType dtype;
+  switch (q.element_type()) {
+    case ffi::DataType::BF16: dtype = DType::kBF16; break;
+    case ffi::DataType::F16: dtype = DType::kFP16; break;
+    default: return ffi::Error::InvalidArgument("jax_fa3_fwd: dtype must be bfloat16 or float16");
+  }
+  FwdParams p;
+  p.b = int(qd[0]); p.t = int(qd[1]); p.n = int(qd[2]); p.d = int(qd[3]);
+  p.s = int(kd[1]); p.kh = int(kd[2]);
+  if (kd[0] != p.b || vd[0] != p.b || kd[3] != p.d || vd[3] != p.d || vd[1] != p.s ||
+      vd[2] != p.kh || p.kh == 0 || p.n % p.kh != 0) {
+    return ffi::Error::InvalidArgument("jax_fa3_fwd: inconsistent q/k/v shapes");
+  }
+  if (q_lens.element_count() != size_t(p.b) || kv_lens.element_count() != size_t(p.b)) {
+    return ffi::Error::InvalidArgument("jax_fa3_fwd: seq-length arrays must have shape [B]");
+  }
+  if (p.b == 0 || p.t == 0 || p.n == 0) { return ffi::Error::Success(); }  // nothing to write
+  p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
+  p.o = o->untyped_data(); p.lse = lse->typed_data();
+  p.q_lens = q_lens.typed_data(); p.kv_lens = kv_lens.typed_data();
+  p.scale = scale; p.softcap = softcap;
+  // A window side at least as long as the sequences constrains nothing: drop
+  // it so that index arithmetic in the kernel cannot overflow.
+  p.window_left = (window_left < 0 || window_left >= p.t) ? -1 : window_left;
+  p.window_right = (window_right < 0 || window_right >= p.s) ? -1 : window_right;
+  p.num_sms = sm_count();
+
+  for (int i = 0; i < kNumFwdKernels; ++i) {
+    const FwdKernelEntry& e = kFwdKernels[i];
+    if (e.dtype == dtype && e.head_dim == p.d) {
+      cudaError_t err = e.launch(p, stream);
+      if (err != cudaSuccess) {
+        return ffi::Error::Internal(std::string("jax_fa3_fwd: launch failed: ") + cudaGetErrorString(err));
+      }
+      return ffi::Error::Success();
+    }
+  }
+  return ffi::Error::InvalidArgument("jax_fa3_fwd: head dim " + std::to_string(p.d) +
+                                     " with this dtype was not compiled (JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES)");
+}
+
+}  // namespace
+}  // namespace jax_fa3
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3Fwd, jax_fa3::FwdImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::Buffer<ffi::F32>>()
+        .Attr<float>("scale")
+        .Attr<float>("softcap")
+        .Attr<int32_t>("window_left")
+        .Attr<int32_t>("window_right"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+// C entry points for the Python binding (kept free of Python so the heavy
+// library is built once and shared by every interpreter version).
+extern "C" {
+__attribute__((visibility("default"))) void* jax_fa3_fwd_handler() {
+  return reinterpret_cast<void*>(JaxFa3Fwd);
+}
+__attribute__((visibility("default"))) int jax_fa3_num_fwd_kernels() { return jax_fa3::kNumFwdKernels; }
+__attribute__((visibility("default"))) void jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim) {
+  *dtype = int(jax_fa3::kFwdKernels[i].dtype);
+  *head_dim = jax_fa3::kFwdKernels[i].head_dim;
+}
+}

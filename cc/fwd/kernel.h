@@ -1,0 +1,158 @@
+// The warp-specialized forward kernel: composes producer, consumer mainloop,
+// softmax and epilogue over the tiles the scheduler hands out, and the host
+// launcher that builds TMA descriptors. Include from exactly one generated .cu
+// per (dtype, head dim) instantiation.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "params.h"
+#include "traits.h"
+#include "tile_scheduler.h"
+#include "mask.h"
+#include "producer.h"
+#include "mainloop.h"
+#include "epilogue.h"
+
+namespace jax_fa3 {
+
+template <class Traits>
+struct FwdKernelParams {
+  FwdParams fwd;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  typename Traits::TmaO tma_o;
+};
+
+template <class Traits, class Scheduler>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
+#if defined(__CUDA_ARCH__) && !defined(CUTLASS_ARCH_MMA_SM90A_ENABLED)
+  __trap();  // built without sm_90a: wgmma/setmaxnreg unavailable
+#else
+  using Params = FwdKernelParams<Traits>;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineKV = typename Traits::PipelineKV;
+  using Mainloop = ConsumerMainloop<Traits>;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+
+  extern __shared__ char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  const FwdParams& p = params.fwd;
+
+  const int warp_group = cutlass::canonical_warp_group_idx();
+  const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
+  const bool is_producer = warp_group == 0;
+  const bool lane_leader = cute::elect_one_sync();
+
+  if (is_producer && warp_in_group == 0 && lane_leader) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
+  }
+
+  // Pipelines: one TMA-issuing thread is the producer; all consumer threads
+  // arrive on the "empty" barriers.
+  using Role = typename PipelineKV::ThreadCategory;
+  typename PipelineQ::Params pq;
+  pq.transaction_bytes = Traits::kTmaBytesQ;
+  pq.role = is_producer ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
+  pq.is_leader = is_producer && warp_in_group == 0 && lane_leader;
+  pq.num_consumers = Traits::kNumMmaThreads;
+  typename PipelineKV::Params pkv;
+  pkv.transaction_bytes = Traits::kTmaBytesKV;
+  pkv.role = is_producer ? Role::Producer : Role::Consumer;
+  pkv.is_leader = pq.is_leader;
+  pkv.num_consumers = Traits::kNumMmaThreads;
+
+  PipelineQ pipe_q(smem.pipe_q, pq, Shape<_1, _1, _1>{});
+  PipelineKV pipe_k(smem.pipe_k, pkv, Shape<_1, _1, _1>{});
+  PipelineKV pipe_v(smem.pipe_v, pkv, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier init visible to all
+
+  Scheduler scheduler;
+
+  if (is_producer) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (warp_in_group == 0 && lane_leader) {
+      ProducerLoad<Traits, Params> producer{params, smem};
+      auto state_q = cutlass::make_producer_start_state<PipelineQ>();
+      auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
+      for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
+        TileMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
+                                        min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+        producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
+      }
+      // Do not retire while loads this thread issued could still be landing.
+      pipe_k.producer_tail(state_kv);
+      pipe_v.producer_tail(state_kv);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
+    Mainloop mainloop;
+    auto state_q = typename PipelineQ::PipelineState{};
+    auto state_kv = typename PipelineKV::PipelineState{};
+    // With a softcap the scores become x = tanh(q.k * scale / cap) and
+    // softmax works on cap * x; otherwise x = q.k and softmax works on scale * x.
+    const bool softcap = p.softcap > 0.f;
+    const float raw_to_x = softcap ? p.scale / p.softcap : 1.f;
+    const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
+    for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
+      const int q_len = min(p.q_lens[tile.batch], p.t);
+      TileMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
+                                      p.window_left, p.window_right);
+      Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
+      clear(acc_o);
+      typename Mainloop::Softmax softmax(scale_log2);
+      // Q must have landed even for an empty tile: O is staged in its buffer.
+      pipe_q.consumer_wait(state_q);
+      mainloop.run(smem, mma_tid, mask, p.softcap, raw_to_x, pipe_k, pipe_v, state_kv, softmax, acc_o);
+      float lse[Mainloop::kRows];
+      softmax.finalize(acc_o, lse);
+      Epilogue<Traits, Params>::store(params, smem, mma_tid, tile, q_len, acc_o, lse);
+      pipe_q.consumer_release(state_q);
+      ++state_q;
+    }
+  }
+#endif
+}
+
+}  // namespace jax_fa3
+
+namespace jax_fa3 {
+
+// Host launcher for one instantiation.
+template <class Element, int HeadDim>
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Traits = FwdTraits<Element, HeadDim>;
+  using Scheduler = StaticTileScheduler;
+  using LayoutSeq = typename Traits::LayoutSeq;
+  auto layout = [](int seq, int heads, int batch) {
+    return LayoutSeq(make_shape(seq, Int<HeadDim>{}, heads, batch),
+                     make_stride(int64_t(heads) * HeadDim, _1{}, int64_t(HeadDim),
+                                 int64_t(seq) * heads * HeadDim));
+  };
+  FwdKernelParams<Traits> kp{
+      p,
+      Traits::make_tma_q(static_cast<const Element*>(p.q), layout(p.t, p.n, p.b)),
+      Traits::make_tma_kv(static_cast<const Element*>(p.k), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_o(static_cast<Element*>(p.o), layout(p.t, p.n, p.b)),
+  };
+  auto kernel = fwd_kernel<Traits, Scheduler>;
+  constexpr int smem_bytes = Traits::kSmemBytes;
+  static const cudaError_t attr_status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (attr_status != cudaSuccess) { return attr_status; }
+  dim3 grid = Scheduler::grid(p, Traits::kBlockM);
+  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_fa3

@@ -1,0 +1,64 @@
+// Which keys a query tile sees. Visibility of key j from query i (batch b):
+//   i < q_len[b], j < kv_len[b], j >= i - left (left >= 0), j <= i + right (right >= 0).
+// Causal (top-left aligned, as jax.nn) is right = 0. The producer and the
+// consumers derive the same block range from this struct, so they agree on
+// the number of K/V tiles without talking to each other.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include "utils.h"
+
+namespace jax_fa3 {
+
+template <int kBlockM, int kBlockN>
+struct TileMask {
+  int m_start, m_end;      // valid query rows [m_start, m_end) of this tile
+  int kv_len;
+  int left, right;
+  int n_block_min, n_block_max;  // K/V blocks to visit: [min, max), visited high to low
+
+  CUTE_DEVICE TileMask(int m_block, int q_len, int kv_len_, int left_, int right_)
+      : kv_len(kv_len_), left(left_), right(right_) {
+    m_start = m_block * kBlockM;
+    m_end = min(m_start + kBlockM, q_len);
+    int key_lo = 0, key_hi = kv_len;  // keys [lo, hi) any row of the tile may see
+    if (right >= 0) { key_hi = min(key_hi, m_end - 1 + right + 1); }
+    if (left >= 0) { key_lo = max(0, m_start - left); }
+    if (m_end <= m_start || key_hi <= key_lo) {
+      n_block_min = n_block_max = 0;
+    } else {
+      n_block_min = key_lo / kBlockN;
+      n_block_max = (key_hi + kBlockN - 1) / kBlockN;
+    }
+  }
+
+  CUTE_DEVICE bool empty() const { return n_block_max <= n_block_min; }
+
+  // Interior blocks (every key visible from every row) skip the element test.
+  CUTE_DEVICE bool needs_mask(int n_block) const {
+    int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
+    return col_last >= kv_len ||
+           (right >= 0 && col_last > m_start + right) ||
+           (left >= 0 && col_first < m_start + kBlockM - 1 - left);
+  }
+
+  // scores: an accumulator fragment; coords: the matching identity partition
+  // (tile-local (row, col) of each element).
+  template <class TS, class TC>
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int n_block) const {
+    Tensor s = as_rowcol(scores);
+    Tensor c = as_rowcol(coords);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      int i = m_start + get<0>(c(r, 0));
+      CUTLASS_PRAGMA_UNROLL
+      for (int col = 0; col < size<1>(s); ++col) {
+        int j = n_block * kBlockN + get<1>(c(r, col));
+        bool visible = j < kv_len && (left < 0 || j >= i - left) && (right < 0 || j <= i + right);
+        if (!visible) { s(r, col) = -INFINITY; }
+      }
+    }
+  }
+};
+
+}  // namespace jax_fa3

@@ -1,0 +1,43 @@
+// Problem description shared by the FFI handler and every forward instantiation.
+// Plain data only: this header is included by host code that never sees CuTe.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace jax_fa3 {
+
+struct FwdParams {
+  // BTNH tensors, contiguous (XLA's default row-major layout).
+  const void* q = nullptr;   // [b, t, n, d]
+  const void* k = nullptr;   // [b, s, kh, d]
+  const void* v = nullptr;   // [b, s, kh, d]
+  void* o = nullptr;         // [b, t, n, d]
+  float* lse = nullptr;      // [b, n, t], natural log; +inf for rows that see no key
+  const int32_t* q_lens = nullptr;   // [b] valid query rows per batch (clamped to t)
+  const int32_t* kv_lens = nullptr;  // [b] valid key rows per batch (clamped to s)
+
+  int b = 0, t = 0, s = 0, n = 0, kh = 0, d = 0;
+  float scale = 1.f;
+  float softcap = 0.f;     // 0 = off; else scores -> softcap * tanh(score / softcap)
+  int window_left = -1;    // key j visible from query i iff j >= i - left (-1: unbounded)
+  int window_right = -1;   //                          and j <= i + right (-1: unbounded)
+  int num_sms = 0;
+};
+
+// One entry per compiled (dtype, head dim) instantiation.
+using FwdLauncher = cudaError_t (*)(const FwdParams&, cudaStream_t);
+
+enum class DType : int { kBF16 = 0, kFP16 = 1 };
+
+struct FwdKernelEntry {
+  DType dtype;
+  int head_dim;
+  FwdLauncher launch;
+};
+
+// Generated at configure time (see CMakeLists.txt): the compiled instantiations.
+extern const FwdKernelEntry kFwdKernels[];
+extern const int kNumFwdKernels;
+
+}  // namespace jax_fa3

@@ -1,0 +1,70 @@
+// Online softmax over K/V blocks, all state in FP32 registers. Scores are kept
+// in "x" units (raw q.k, or tanh(q.k * scale / cap) with a softcap); the
+// factor to base-2 exponent units is applied inside one FMA per element.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include "utils.h"
+
+namespace jax_fa3 {
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];  // per-thread partial sums; reduced over the quad at the end
+  float scale_log2;      // x * scale_log2 = score * log2(e)
+
+  CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+  }
+
+  // Folds one block of scores in: updates the running max, rescales the output
+  // accumulator and the running sum, and overwrites the scores with P (unnormalized).
+  template <class TS, class TO>
+  CUTE_DEVICE void update(TS& scores, TO& acc_o) {
+    Tensor s = as_rowcol(scores);
+    Tensor o = as_rowcol(acc_o);
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = row_max[r];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) { m = fmaxf(m, s(r, c)); }
+      m = quad_max(m);
+      // A row that has seen only masked keys keeps max -inf: use 0 as the
+      // offset so exp2 gives 0 rather than NaN.
+      float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      float correction = exp2f(row_max[r] * scale_log2 - m_scaled);
+      row_max[r] = m;
+      row_sum[r] *= correction;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) { o(r, c) *= correction; }
+      float sum = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
+        sum += s(r, c);
+      }
+      row_sum[r] += sum;
+    }
+  }
+
+  // Normalizes the output and returns the natural-log LSE per row (+inf for a
+  // row that saw no key, so that backward's exp(s - lse) is 0 there).
+  template <class TO>
+  CUTE_DEVICE void finalize(TO& acc_o, float (&lse)[kRows]) {
+    Tensor o = as_rowcol(acc_o);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float sum = quad_sum(row_sum[r]);
+      bool empty = !(sum > 0.f);
+      float inv = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? INFINITY : (row_max[r] * scale_log2 + __log2f(sum)) * 0.69314718055994530942f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) { o(r, c) *= inv; }
+    }
+  }
+};
+
+}  // namespace jax_fa3

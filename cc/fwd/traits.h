@@ -1,0 +1,120 @@
+// Compile-time shape of one forward instantiation: tile sizes, shared-memory
+// layouts, the two tiled WGMMAs and the TMA atom types. Everything a kernel
+// piece needs to agree on lives here, so the pieces stay independent.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+namespace jax_fa3 {
+
+using namespace cute;
+
+// Tile sizes per head dim. kBlockN shrinks as the head dim grows so that Q plus
+// `kStages` K and V tiles still fit in the 227 KB of shared memory of one CTA.
+template <int HeadDim> struct FwdTileConfig;
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
+template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
+template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
+template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 96,  kStages = 2; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; };
+
+template <class Element_, int HeadDim>
+struct FwdTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = FwdTileConfig<HeadDim>::kBlockM;
+  static constexpr int kBlockN = FwdTileConfig<HeadDim>::kBlockN;
+  static constexpr int kStages = FwdTileConfig<HeadDim>::kStages;
+
+  // One producer warpgroup (only one warp of it issues TMA) and two consumer
+  // warpgroups, each owning 64 rows of the 128-row Q tile.
+  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  // setmaxnreg budgets. The CTA starts at 168 regs/thread (65536 / 384); the
+  // pool freed by the producer (168 - 32) * 128 must cover the consumers' raise
+  // (232 - 168) * 256. 32 rather than 24 keeps the producer's TMA loop spill-free.
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? 232 : 160;
+
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+
+  // S = Q K^T: both operands K-major in shared memory (SS).
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum,
+                           Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayoutMNK{}));
+  // O += P V: P stays in registers (RS); V is read through a transposed
+  // (MN-major) view of the same shared-memory tile TMA wrote.
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum,
+                           Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutMNK{}));
+
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // (d, n, stage) -> V(n, d, stage): same bytes, viewed as the MN-major B operand.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                          Step<_2, _1, _3>{})));
+  // The output tile is staged in Q's buffer (Q is dead once the last S GEMM
+  // of the tile has completed) and leaves through a TMA store.
+  using SmemLayoutO = SmemLayoutQ;
+
+  using PipelineQ = cutlass::PipelineTmaAsync<1>;
+  using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
+    typename PipelineQ::SharedStorage pipe_q;
+    typename PipelineKV::SharedStorage pipe_k;
+    typename PipelineKV::SharedStorage pipe_v;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds shared memory");
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  // Global tensors as TMA sees them: (seq, d, head, batch), head dim contiguous.
+  using ShapeSeq = Shape<int32_t, Int<kHeadDim>, int32_t, int32_t>;
+  using StrideSeq = Stride<int64_t, _1, int64_t, int64_t>;
+  using LayoutSeq = Layout<ShapeSeq, StrideSeq>;
+
+  static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
+  static auto make_tma_kv(const Element* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  }
+  static auto make_tma_o(Element* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         SmemLayoutO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
+  using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
+  using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
+  using TmaO = decltype(make_tma_o(nullptr, LayoutSeq{}));
+};
+
+}  // namespace jax_fa3

@@ -1,0 +1,86 @@
+// Small device helpers shared by the forward pieces: register-layout views of
+// WGMMA accumulators, a warpgroup GEMM wrapper, fragment conversion.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace jax_fa3 {
+
+using namespace cute;
+
+// WGMMA accumulator layout ((2, 2, N/8), MMA_M, MMA_N) viewed as
+// (rows, cols) = ((2, MMA_M), (2, N/8, MMA_N)): each thread owns two rows
+// (r and r + 8) per 64-row atom and pairs of adjacent columns.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol_layout(Layout acc) {
+  static_assert(rank(acc) == 3);
+  auto v = get<0>(acc);
+  return make_layout(make_layout(get<1>(v), get<1>(acc)),
+                     make_layout(get<0>(v), get<2>(v), get<2>(acc)));
+}
+
+template <class Tensor>
+CUTE_HOST_DEVICE auto as_rowcol(Tensor&& t) {
+  return make_tensor(t.data(), acc_rowcol_layout(t.layout()));
+}
+
+// The same registers re-read as the A operand of a 16-bit RS WGMMA:
+// ((2, 2, N/8), M, 1) -> ((2, 2, 2), M, N/16). The per-thread element order of
+// the m64nN accumulator and of the m64k16 A fragment coincide, so P needs no
+// data movement between the two GEMMs, only a conversion to 16 bits.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_to_a_layout(Layout acc) {
+  auto v = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(v), get<1>(v), get<0>(get<2>(v))),
+                     get<1>(acc),
+                     coalesce(make_layout(get<1>(get<2>(v)), get<2>(acc))));
+}
+
+// Elementwise numeric conversion of a whole register fragment (vectorized
+// cvt.rn.bf16x2 / f16x2 for float -> 16-bit).
+template <class To, class Engine, class Layout>
+CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  Tensor dst = make_tensor<To>(src.layout());
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+  return dst;
+}
+
+// One warpgroup-wide GEMM over the whole K extent of the fragments.
+// ZeroInit overwrites C; WaitDepth >= 0 waits until at most that many WGMMA
+// batches of this warpgroup are still in flight (0: this one is done).
+template <bool ZeroInit, int WaitDepth, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  // SS GEMMs pass A as smem descriptors, RS GEMMs as a register fragment.
+  constexpr bool kARegisters = !std::is_same_v<typename TA::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kARegisters) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  if constexpr (ZeroInit) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+    cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (WaitDepth >= 0) { warpgroup_wait<WaitDepth>(); }
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kARegisters) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
+}
+
+// Reductions over the 4 threads of a quad, which together own one row of an
+// accumulator fragment.
+CUTE_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+CUTE_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+}  // namespace jax_fa3

@@ -1,0 +1,12 @@
+"""jax_fa3: FlashAttention-3 (CUTLASS sm_90a kernels) for JAX via XLA FFI."""
+from jax_fa3 import _native
+from jax_fa3.api import attention, dot_product_attention, flax_attention_fn
+
+__version__ = "0.1.0"
+__all__ = ["attention", "dot_product_attention", "flax_attention_fn",
+           "kernels_available", "__version__"]
+
+
+def kernels_available() -> bool:
+  """True iff the compiled FlashAttention-3 kernel extension was loaded."""
+  return _native.available()

@@ -1,0 +1,69 @@
+"""Loader for the compiled FlashAttention-3 kernels (``jax_fa3._jax_fa3``).
+
+The nanobind extension is optional: when it was not built (e.g. no ``nvcc`` at
+install time) a single ``UserWarning`` is emitted at import (silenced by
+``JAX_FA3_QUIET=1``) and the pure-JAX reference path is used everywhere.
+When present, its XLA FFI handlers are registered for the CUDA platform.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+
+import jax
+
+try:
+  _jax_fa3 = importlib.import_module("jax_fa3._jax_fa3")
+except ImportError as _e:  # extension not built (or not loadable)
+  _jax_fa3 = None
+  _IMPORT_ERROR: Exception | None = _e
+else:
+  _IMPORT_ERROR = None
+
+__all__ = ["available", "compiled_configs", "sm90_gpu_present"]
+
+if _jax_fa3 is None:
+  if os.environ.get("JAX_FA3_QUIET", "") != "1":
+    if getattr(_IMPORT_ERROR, "name", None) == "jax_fa3._jax_fa3":
+      _why = ("the FlashAttention-3 CUDA kernels were not built (e.g. no nvcc "
+              "/ CUDA toolkit at install time)")
+    else:
+      _why = ("the FlashAttention-3 CUDA kernels were built but could not be "
+              f"loaded ({_IMPORT_ERROR}); treating them as not built")
+    warnings.warn(
+        f"jax_fa3: {_why}; the pure-JAX reference implementation will be "
+        "used. Set JAX_FA3_QUIET=1 to silence this warning.",
+        UserWarning, stacklevel=2)
+  _CONFIGS: frozenset = frozenset()
+else:
+  for _name, _capsule in _jax_fa3.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+  _CONFIGS = frozenset(
+      (str(d), int(h)) for d, h in _jax_fa3.compiled_configs())
+
+
+def available() -> bool:
+  """True iff the compiled kernel extension was loaded and registered."""
+  return _jax_fa3 is not None
+
+
+def compiled_configs() -> frozenset:
+  """``frozenset`` of ``(dtype_name, head_dim)`` the kernels were built for,
+  e.g. ``{("bfloat16", 128), ("float16", 128)}``; empty when not built."""
+  return _CONFIGS
+
+
+_SM90: bool | None = None
+
+
+def sm90_gpu_present() -> bool:
+  """True iff JAX sees at least one GPU of compute capability 9.0 (cached)."""
+  global _SM90
+  if _SM90 is None:
+    try:
+      devs = jax.devices("gpu")
+    except RuntimeError:
+      devs = []
+    _SM90 = any(getattr(d, "compute_capability", "") == "9.0" for d in devs)
+  return _SM90

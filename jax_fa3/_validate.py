@@ -1,0 +1,177 @@
+"""Input validation for the public API (raises ValueError in Python, before
+anything is traced into a kernel)."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+KERNEL_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+PRECISIONS = (None, "fp8")
+
+
+def as_array(x, name):
+  if x is None:
+    raise ValueError(f"{name} must be an array, got None")
+  try:
+    return jnp.asarray(x)
+  except TypeError as e:
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def check_qkv(query, key, value, *, ndim=4):
+  """Checks q [B,T,N,H], k/v [B,S,K,H]; returns the three arrays."""
+  q, k, v = (as_array(query, "query"), as_array(key, "key"),
+             as_array(value, "value"))
+  for name, t in (("query", q), ("key", k), ("value", v)):
+    if t.ndim != ndim:
+      form = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
+      raise ValueError(f"{name} must be a rank-{ndim} array of shape {form}, "
+                       f"got shape {t.shape}")
+    if not jnp.issubdtype(t.dtype, jnp.floating):
+      raise ValueError(f"{name} must have a floating dtype (bfloat16, float16 "
+                       f"or float32), got {t.dtype}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError("query, key and value must have the same dtype, got "
+                     f"{q.dtype}, {k.dtype}, {v.dtype}")
+  if k.shape != v.shape:
+    raise ValueError(f"key and value must have the same shape [B, S, K, H], "
+                     f"got key {k.shape} and value {v.shape} (mismatched "
+                     "k-v lengths, heads or head_dim)")
+  B, T, N, H = q.shape
+  if k.shape[0] != B:
+    raise ValueError(f"query and key/value batch sizes differ: {B} vs "
+                     f"{k.shape[0]}")
+  if k.shape[3] != H:
+    raise ValueError(f"query and key/value head_dim differ: {H} vs "
+                     f"{k.shape[3]}")
+  K = k.shape[2]
+  if K == 0 or N % K != 0:
+    raise ValueError(f"number of query heads N={N} must be a multiple of the "
+                     f"number of key/value heads K={K}")
+  return q, k, v
+
+
+def check_seq_lengths(lens, name, batch):
+  if lens is None:
+    return None
+  orig_dtype = getattr(lens, "dtype", None)
+  lens = as_array(lens, name)
+  if orig_dtype is not None and np.dtype(orig_dtype) != np.dtype(np.int32):
+    raise ValueError(f"{name} must be an int32 array of shape [B]=({batch},), "
+                     f"got dtype {orig_dtype}")
+  if lens.dtype != np.dtype(np.int32) or lens.shape != (batch,):
+    raise ValueError(f"{name} must be an int32 array of shape [B]=({batch},), "
+                     f"got {lens.dtype} array of shape {lens.shape}")
+  return lens
+
+
+def _is_int(x):
+  return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(
+      x, (bool, np.bool_))
+
+
+def _is_real(x):
+  return isinstance(x, (numbers.Real, np.floating, np.integer)) and not \
+      isinstance(x, (bool, np.bool_))
+
+
+def check_window(local_window_size):
+  """None | int w | (left, right) -> None or (left, right) of python ints."""
+  if local_window_size is None:
+    return None
+  w = local_window_size
+  if _is_int(w) and w >= 0:
+    return int(w), int(w)
+  if (isinstance(w, (tuple, list)) and len(w) == 2
+      and all(_is_int(x) and x >= 0 for x in w)):
+    return int(w[0]), int(w[1])
+  raise ValueError("local_window_size must be None, a non-negative int w "
+                   "(meaning (w, w)) or a pair (left, right) of non-negative "
+                   f"ints, got {w!r}")
+
+
+def check_softcap(softcap):
+  if softcap is None:
+    return 0.0
+  if not _is_real(softcap) or not math.isfinite(float(softcap)) or \
+      float(softcap) <= 0:
+    raise ValueError("softcap must be None or a positive finite number, got "
+                     f"{softcap!r}")
+  return float(softcap)
+
+
+def check_scale(scale, head_dim):
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(scale, jax.Array) and scale.ndim == 0:
+    try:
+      scale = float(scale)  # concrete scalar array
+    except jax.errors.ConcretizationTypeError as e:
+      raise ValueError("scale must be a static (Python) finite number, got a "
+                       "traced value") from e
+  if not _is_real(scale) or not math.isfinite(float(scale)):
+    raise ValueError(f"scale must be None or a finite number, got {scale!r}")
+  return float(scale)
+
+
+def check_is_causal(is_causal):
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+  return bool(is_causal)
+
+
+def check_precision(precision):
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be None or 'fp8', got {precision!r}")
+  return precision
+
+
+def check_implementation(implementation, allowed):
+  if implementation not in allowed:
+    raise ValueError(f"implementation must be one of {allowed}, got "
+                     f"{implementation!r}")
+  return implementation
+
+
+def check_bias_mask(t, name, B, N, T, S, K):
+  """bias/mask broadcastable to [B,N,T,S] (each dim 1 or full); returns 4-D."""
+  if t is None:
+    return None
+  t = as_array(t, name)
+  if name == "mask" and t.dtype != np.dtype(bool):
+    raise ValueError(f"mask must be a bool array (True = attend), got "
+                     f"{t.dtype}")
+  if name == "bias" and not jnp.issubdtype(t.dtype, jnp.floating):
+    raise ValueError(f"bias must be a floating array, got {t.dtype}")
+  if t.ndim > 4:
+    raise ValueError(f"{name} must have rank <= 4 and be broadcastable to "
+                     f"[B, N, T, S]=({B}, {N}, {T}, {S}), got {t.shape}")
+  t4 = t.reshape((1,) * (4 - t.ndim) + t.shape)
+  for have, want in zip(t4.shape, (B, N, T, S)):
+    if have not in (1, want):
+      raise ValueError(f"{name} of shape {t.shape} is not broadcastable to "
+                       f"[B, N, T, S]=({B}, {N}, {T}, {S}) (each dim must be "
+                       "1 or the full size)")
+  return t4
+
+
+def kernel_blocker(dtype, head_dim, native):
+  """Why the fa3 kernel can't run this config (None if it can)."""
+  dtype = np.dtype(dtype)
+  if dtype not in KERNEL_DTYPES:
+    return (f"query/key/value dtype {dtype} is not supported by the fa3 "
+            "kernel (needs bfloat16 or float16)")
+  if not native.available():
+    return ("the jax_fa3 CUDA kernels were not built (no sm_90 GPU / kernels "
+            "not built)")
+  if not native.sm90_gpu_present():
+    return "no sm_90 (H100/H200) GPU is visible to JAX (no sm_90 GPU)"
+  configs = native.compiled_configs()
+  if (dtype.name, int(head_dim)) not in configs:
+    return (f"head_dim {head_dim} with dtype {dtype.name} was not compiled "
+            f"into the kernels (compiled: {sorted(configs)})")
+  return None

@@ -1,0 +1,185 @@
+"""JAX primitives ``fa3_fwd`` / ``fa3_bwd`` and the differentiable wrapper.
+
+On CUDA the forward lowers to the XLA FFI custom call ``jax_fa3_fwd`` (see the
+FFI contract in ``cc/``); the backward lowers to ``jax_fa3_bwd`` once
+``_BWD_KERNEL`` is switched on.  On every other platform (and for the backward
+until then) both lower to the pure-JAX blockwise reference
+(:mod:`jax_fa3.reference`), so the primitives are usable -- and tested -- on CPU.
+
+Static parameters (``scale``, ``softcap``, ``window_left``, ``window_right``)
+are Python ``float``/``int`` primitive params; they are converted to
+``np.float32``/``np.int32`` FFI attributes at lowering time.
+"""
+from __future__ import annotations
+
+import functools
+from functools import partial
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+try:
+  from jax.core import ShapedArray
+except ImportError:  # pragma: no cover - future jax
+  from jax._src.core import ShapedArray  # type: ignore
+
+from jax_fa3 import reference
+
+__all__ = ["fa3_fwd_p", "fa3_bwd_p", "fa3_fwd", "fa3_bwd", "fa3_attention"]
+
+# Flip to True when the CUDA backward kernel ("jax_fa3_bwd") lands.
+_BWD_KERNEL = False
+
+FWD_TARGET = "jax_fa3_fwd"
+BWD_TARGET = "jax_fa3_bwd"
+
+fa3_fwd_p = Primitive("fa3_fwd")
+fa3_fwd_p.multiple_results = True
+fa3_bwd_p = Primitive("fa3_bwd")
+fa3_bwd_p.multiple_results = True
+
+
+def _attrs(scale, softcap, window_left, window_right):
+  return dict(scale=float(scale), softcap=float(softcap),
+              window_left=int(window_left), window_right=int(window_right))
+
+
+def fa3_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0, window_left=-1,
+            window_right=-1):
+  """Binds ``fa3_fwd``: returns ``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``."""
+  out, lse = fa3_fwd_p.bind(q, k, v, q_lens, kv_lens,
+                            **_attrs(scale, softcap, window_left, window_right))
+  return out, lse
+
+
+def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale, softcap=0.0,
+            window_left=-1, window_right=-1):
+  """Binds ``fa3_bwd``: returns ``(dq, dk, dv)``."""
+  dq, dk, dv = fa3_bwd_p.bind(
+      q, k, v, out, lse, dout, q_lens, kv_lens,
+      **_attrs(scale, softcap, window_left, window_right))
+  return dq, dk, dv
+
+
+# ---------------------------------------------------------------- impl / eval
+def _fwd_impl(q, k, v, q_lens, kv_lens, **attrs):
+  return reference.attention_fwd(q, k, v, q_lens, kv_lens, **attrs)
+
+
+def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, **attrs):
+  return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
+                                 **attrs)
+
+
+def _fwd_abstract(q, k, v, q_lens, kv_lens, **_):
+  B, T, N, _h = q.shape
+  return (ShapedArray(q.shape, q.dtype),
+          ShapedArray((B, N, T), jnp.float32))
+
+
+def _bwd_abstract(q, k, v, out, lse, dout, q_lens, kv_lens, **_):
+  return (ShapedArray(q.shape, q.dtype), ShapedArray(k.shape, k.dtype),
+          ShapedArray(v.shape, v.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(prim, params):
+  return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+
+
+def _eager_impl(prim):
+  # Eager application = jit of the single primitive (uses the lowerings below).
+  def impl(*args, **params):
+    return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+  return impl
+
+
+fa3_fwd_p.def_impl(_eager_impl(fa3_fwd_p))
+fa3_bwd_p.def_impl(_eager_impl(fa3_bwd_p))
+fa3_fwd_p.def_abstract_eval(_fwd_abstract)
+fa3_bwd_p.def_abstract_eval(_bwd_abstract)
+
+
+# ------------------------------------------------------------------ lowering
+def _ffi_rule(target):
+  rule = jax.ffi.ffi_lowering(target)
+
+  def lowering(ctx, *args, scale, softcap, window_left, window_right):
+    return rule(ctx, *args, scale=np.float32(scale),
+                softcap=np.float32(softcap),
+                window_left=np.int32(window_left),
+                window_right=np.int32(window_right))
+  return lowering
+
+
+# Default (every platform): the pure-JAX reference.
+mlir.register_lowering(fa3_fwd_p, mlir.lower_fun(_fwd_impl,
+                                                 multiple_results=True))
+mlir.register_lowering(fa3_bwd_p, mlir.lower_fun(_bwd_impl,
+                                                 multiple_results=True))
+# CUDA: the FFI custom calls.
+mlir.register_lowering(fa3_fwd_p, _ffi_rule(FWD_TARGET), platform="cuda")
+if _BWD_KERNEL:
+  mlir.register_lowering(fa3_bwd_p, _ffi_rule(BWD_TARGET), platform="cuda")
+
+
+# ------------------------------------------------------------------ batching
+def _fold(x, bd, size):
+  """Moves the vmapped axis to the front and folds it into the batch dim."""
+  if bd is None:
+    x = jnp.broadcast_to(x, (size,) + x.shape)
+  else:
+    x = jnp.moveaxis(x, bd, 0)
+  return x.reshape((size * x.shape[1],) + x.shape[2:])
+
+
+def _unfold(x, size):
+  return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+
+
+def _batch_rule(prim):
+  def rule(args, dims, **params):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    folded = [_fold(a, d, size) for a, d in zip(args, dims)]
+    outs = prim.bind(*folded, **params)
+    return [_unfold(o, size) for o in outs], [0] * len(outs)
+  return rule
+
+
+batching.primitive_batchers[fa3_fwd_p] = _batch_rule(fa3_fwd_p)
+batching.primitive_batchers[fa3_bwd_p] = _batch_rule(fa3_bwd_p)
+
+
+# ---------------------------------------------------------------- custom_vjp
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def fa3_attention(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
+                  window_right):
+  """Differentiable kernel attention returning ``(out, lse)``.
+
+  ``q_lens``/``kv_lens`` must be ``int32[B]`` arrays (not None).  The ``lse``
+  output is treated as non-differentiable (its cotangent is ignored).
+  """
+  return fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap,
+                 window_left=window_left, window_right=window_right)
+
+
+def _vjp_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
+             window_right):
+  out, lse = fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap,
+                     window_left=window_left, window_right=window_right)
+  return (out, lse), (q, k, v, out, lse, q_lens, kv_lens)
+
+
+def _vjp_bwd(scale, softcap, window_left, window_right, res, cts):
+  q, k, v, out, lse, q_lens, kv_lens = res
+  dout, _ = cts
+  dq, dk, dv = fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype), q_lens,
+                       kv_lens, scale=scale, softcap=softcap,
+                       window_left=window_left, window_right=window_right)
+  return dq, dk, dv, None, None
+
+
+fa3_attention.defvjp(_vjp_fwd, _vjp_bwd)

@@ -1,0 +1,314 @@
+"""Pure-JAX blockwise reference of the FlashAttention-3 kernels.
+
+This is both the CPU / non-sm90 fallback and the numerical ground truth for the
+CUDA kernels, so it implements *exactly* the kernel semantics:
+
+* ``q [B,T,N,H]``, ``k, v [B,S,K,H]`` with ``N % K == 0``; query head ``n`` uses
+  kv head ``n // (N // K)`` (grouped-query attention, done through a
+  ``[B,T,K,G,H]`` view of ``q`` -- K/V are never repeated).
+* Query row ``i`` of batch ``b`` attends key ``j`` iff ``i < q_lens[b]`` and
+  ``j < kv_lens[b]`` and (``window_left < 0`` or ``j >= i - window_left``) and
+  (``window_right < 0`` or ``j <= i + window_right``) (and, reference only,
+  ``mask[b, n, i, j]``).  Causal is ``window_right = 0`` (top-left aligned).
+* Scores ``s = scale * q.k``; with ``softcap = c > 0``: ``s = c * tanh(s / c)``;
+  then (reference only) ``s += bias``; then masking.
+* A row with no visible key outputs 0 and its log-sum-exp is ``+inf``.
+  (``jax.nn.dot_product_attention`` returns the mean of V for a fully masked
+  row that is not a padded query row; this library returns 0.)
+* All math is float32; ``lse`` is float32 ``[B,N,T]``; the output has
+  ``q.dtype``.
+
+Keys are processed in chunks of ``block_k`` with an online softmax, so the
+``T x S`` score matrix is never materialized (only ``T x block_k`` at a time).
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["attention_fwd", "attention_bwd"]
+
+_HIGHEST = lax.Precision.HIGHEST
+_F32 = jnp.float32
+
+
+def _einsum(spec, a, b):
+  return jnp.einsum(spec, a, b, precision=_HIGHEST,
+                    preferred_element_type=_F32)
+
+
+def _full_lens(lens, b, n):
+  if lens is None:
+    return jnp.full((b,), n, jnp.int32)
+  return jnp.asarray(lens).astype(jnp.int32)
+
+
+def _grouped_bm(t, n_heads, n_kv, s_pad):
+  """[Bb,Nb,Tb,Sb] bias/mask -> [Bb,Kb,Gb,Tb,Sb'] (S padded to s_pad if full)."""
+  if t is None:
+    return None
+  t = jnp.asarray(t)
+  if t.ndim < 4:
+    t = t.reshape((1,) * (4 - t.ndim) + t.shape)
+  bb, nb, tb, sb = t.shape
+  if nb == 1:
+    t = t.reshape(bb, 1, 1, tb, sb)
+  else:
+    t = t.reshape(bb, n_kv, n_heads // n_kv, tb, sb)
+  if sb > 1 and s_pad > sb:
+    pad_val = False if t.dtype == jnp.bool_ else 0
+    t = jnp.pad(t, [(0, 0)] * 4 + [(0, s_pad - sb)], constant_values=pad_val)
+  return t
+
+
+def _chunk(t, start, bk):
+  if t is None or t.shape[-1] == 1:
+    return t
+  return lax.dynamic_slice_in_dim(t, start, bk, axis=t.ndim - 1)
+
+
+class _Setup:
+  """Shapes, padding and the per-chunk score/mask computation."""
+
+  def __init__(self, q, k, v, q_lens, kv_lens, scale, softcap, window_left,
+               window_right, bias, mask, block_k):
+    B, T, N, H = q.shape
+    _, S, K, _ = k.shape
+    if N % K:
+      raise ValueError(f"num query heads {N} not a multiple of kv heads {K}")
+    self.B, self.T, self.N, self.H, self.S, self.K = B, T, N, H, S, K
+    self.G = G = N // K
+    self.bk = bk = max(1, min(int(block_k), S))
+    self.n_chunks = -(-S // bk)
+    s_pad = self.n_chunks * bk
+    if s_pad > S:
+      pad = [(0, 0), (0, s_pad - S), (0, 0), (0, 0)]
+      k = jnp.pad(k, pad)
+      v = jnp.pad(v, pad)
+    self.qg = q.reshape(B, T, K, G, H)
+    self.k, self.v = k, v
+    self.q_lens = _full_lens(q_lens, B, T)
+    # Keys past the real length S are padding.
+    self.kv_lens = jnp.minimum(_full_lens(kv_lens, B, S), S)
+    self.scale = float(scale)
+    self.softcap = float(softcap) if softcap else 0.0
+    self.wl, self.wr = int(window_left), int(window_right)
+    self.bias = _grouped_bm(bias, N, K, s_pad)
+    self.mask = _grouped_bm(mask, N, K, s_pad)
+
+  def chunk_kv(self, start):
+    kc = lax.dynamic_slice_in_dim(self.k, start, self.bk, axis=1)
+    vc = lax.dynamic_slice_in_dim(self.v, start, self.bk, axis=1)
+    return kc, vc
+
+  def valid(self, start):
+    """Boolean visibility [B,1|K,1|G,T,bk] of the chunk starting at `start`."""
+    i = jnp.arange(self.T, dtype=jnp.int32)[:, None]
+    j = start + jnp.arange(self.bk, dtype=jnp.int32)[None, :]
+    ok = (i[None] < self.q_lens[:, None, None]) & (
+        j[None] < self.kv_lens[:, None, None])
+    if self.wl >= 0:
+      ok = ok & (j >= i - self.wl)[None]
+    if self.wr >= 0:
+      ok = ok & (j <= i + self.wr)[None]
+    ok = ok[:, None, None]  # [B,1,1,T,bk]
+    if self.mask is not None:
+      ok = ok & _chunk(self.mask, start, self.bk)
+    return ok
+
+  def scores(self, kc, start):
+    """Returns (s, tanh_term or None): scaled, soft-capped, biased scores."""
+    s = _einsum("btkgh,bskh->bkgts", self.qg, kc) * np.float32(self.scale)
+    t = None
+    if self.softcap > 0:
+      c = np.float32(self.softcap)
+      t = jnp.tanh(s / c)
+      s = c * t
+    if self.bias is not None:
+      s = s + _chunk(self.bias, start, self.bk).astype(_F32)
+    return s, t
+
+
+def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
+                  window_left=-1, window_right=-1, bias=None, mask=None,
+                  block_k=512):
+  """Blockwise attention forward.
+
+  Args:
+    q: ``[B,T,N,H]``; k, v: ``[B,S,K,H]``.
+    q_lens, kv_lens: ``int32[B]`` (or None for full length).
+    scale, softcap, window_left, window_right: see the module docstring
+      (``softcap`` 0 = off, window -1 = unbounded on that side).
+    bias: optional float array broadcastable to ``[B,N,T,S]`` (each dim 1 or
+      full), added to the (soft-capped) scores.
+    mask: optional bool array broadcastable to ``[B,N,T,S]``; True = attend.
+    block_k: key chunk size of the online softmax.
+
+  Returns:
+    ``(out, lse)``: ``out`` with q's shape and dtype; ``lse`` float32
+    ``[B,N,T]`` (``+inf`` on rows with no visible key, whose output is 0).
+  """
+  st = _Setup(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
+              window_right, bias, mask, block_k)
+  B, T, K, G, H = st.B, st.T, st.K, st.G, st.H
+
+  def body(carry, c):
+    m, l, acc = carry
+    start = c * st.bk
+    kc, vc = st.chunk_kv(start)
+    s, _ = st.scores(kc, start)
+    s = jnp.where(st.valid(start), s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = _einsum("bkgts,bskh->btkgh", p, vc)
+    acc = acc * jnp.moveaxis(alpha, 3, 1)[..., None] + pv
+    return (m_new, l, acc), None
+
+  init = (jnp.full((B, K, G, T), -jnp.inf, _F32),
+          jnp.zeros((B, K, G, T), _F32),
+          jnp.zeros((B, T, K, G, H), _F32))
+  (m, l, acc), _ = lax.scan(body, init, jnp.arange(st.n_chunks))
+  has = l > 0
+  l_safe = jnp.where(has, l, 1.0)
+  lse = jnp.where(has, m + jnp.log(l_safe), jnp.inf)
+  inv = jnp.where(has, 1.0 / l_safe, 0.0)
+  out = acc * jnp.moveaxis(inv, 3, 1)[..., None]
+  out = out.reshape(q.shape).astype(q.dtype)
+  return out, lse.reshape(B, st.N, T)
+
+
+def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
+                             scale, softcap=0.0, window_left=-1,
+                             window_right=-1, bias=None, mask=None,
+                             block_k=512):
+  """Like :func:`attention_bwd` but returns ``(dq, dk, dv, dbias)``.
+
+  ``dbias`` has the (4-D) shape and dtype of ``bias`` (None without bias).
+  """
+  st = _Setup(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
+              window_right, bias, mask, block_k)
+  B, T, N, K, G, H, S = st.B, st.T, st.N, st.K, st.G, st.H, st.S
+  dout_g = dout.reshape(B, T, K, G, H)
+  lse_g = lse.reshape(B, K, G, T).astype(_F32)
+  delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1)  # [B,T,N]
+  delta = jnp.transpose(delta, (0, 2, 1)).reshape(B, K, G, T)
+
+  bshape = None if st.bias is None else st.bias.shape  # [Bb,Kb,Gb,Tb,Sb']
+  bias_full_s = bshape is not None and bshape[-1] > 1
+
+  def reduce_to_bias(ds):
+    axes = tuple(a for a in range(4) if bshape[a] == 1 and ds.shape[a] != 1)
+    return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+
+  def body(carry, c):
+    dq, db_acc = carry
+    start = c * st.bk
+    kc, vc = st.chunk_kv(start)
+    s, t = st.scores(kc, start)
+    valid = st.valid(start)
+    p = jnp.where(valid, jnp.exp(s - lse_g[..., None]), 0.0)
+    dv_c = _einsum("bkgts,btkgh->bskh", p, dout_g)
+    dp = _einsum("btkgh,bskh->bkgts", dout_g, vc)
+    ds = p * (dp - delta[..., None])
+    ys_db = None
+    if bshape is not None:
+      dsb = reduce_to_bias(ds)
+      if bias_full_s:
+        ys_db = dsb
+      else:
+        db_acc = db_acc + jnp.sum(dsb, axis=-1, keepdims=True)
+    if t is not None:
+      ds = ds * (1.0 - t * t)
+    ds = ds * np.float32(st.scale)
+    dq = dq + _einsum("bkgts,bskh->btkgh", ds, kc)
+    dk_c = _einsum("bkgts,btkgh->bskh", ds, st.qg)
+    return (dq, db_acc), (dk_c, dv_c, ys_db)
+
+  db0 = (jnp.zeros(bshape[:4] + (1,), _F32)
+         if bshape is not None and not bias_full_s else jnp.zeros((), _F32))
+  init = (jnp.zeros((B, T, K, G, H), _F32), db0)
+  (dq, db_acc), (dk, dv, db_chunks) = lax.scan(body, init,
+                                               jnp.arange(st.n_chunks))
+
+  def unchunk(x):  # [n,B,bk,K,H] -> [B,S,K,H]
+    x = jnp.moveaxis(x, 0, 1).reshape(B, st.n_chunks * st.bk, K, H)
+    return x[:, :S]
+
+  dq = dq.reshape(q.shape).astype(q.dtype)
+  dk = unchunk(dk).astype(k.dtype)
+  dv = unchunk(dv).astype(v.dtype)
+  dbias = None
+  if bshape is not None:
+    if bias_full_s:  # [n,Bb,Kb,Gb,Tb,bk] -> [Bb,Kb,Gb,Tb,S]
+      db = jnp.moveaxis(db_chunks, 0, 4)
+      db = db.reshape(db.shape[:4] + (st.n_chunks * st.bk,))[..., :S]
+    else:
+      db = db_acc
+    b4 = jnp.asarray(bias)
+    b4 = b4.reshape((1,) * (4 - b4.ndim) + b4.shape)
+    dbias = db.reshape(b4.shape).astype(b4.dtype)
+  return dq, dk, dv, dbias
+
+
+def attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale,
+                  softcap=0.0, window_left=-1, window_right=-1, bias=None,
+                  mask=None, block_k=512):
+  """Blockwise attention backward (recomputes P from ``lse``).
+
+  ``delta = rowsum(dout * out)`` (float32), ``dS = P * (dP - delta)``; dk/dv
+  are summed over each GQA group.  Returns ``(dq, dk, dv)`` with the shapes
+  and dtypes of ``q, k, v``.
+  """
+  dq, dk, dv, _ = attention_bwd_with_dbias(
+      q, k, v, out, lse, dout, q_lens, kv_lens, scale=scale, softcap=softcap,
+      window_left=window_left, window_right=window_right, bias=bias,
+      mask=mask, block_k=block_k)
+  return dq, dk, dv
+
+
+# --------------------------------------------------------------------------
+# Differentiable reference (the implementation="reference" path).
+# --------------------------------------------------------------------------
+from functools import partial  # noqa: E402
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def reference_attention(q, k, v, q_lens, kv_lens, bias, mask, scale, softcap,
+                        window_left, window_right, block_k):
+  """Differentiable reference returning ``(out, lse)``.
+
+  The backward pass is the blockwise :func:`attention_bwd` (memory O(T*block_k)
+  rather than autodiff through the scan); ``lse`` is treated as
+  non-differentiable (its cotangent is ignored), like jax.nn's residual.
+  ``bias`` (optional) gets a gradient; ``mask``/``q_lens``/``kv_lens`` do not.
+  """
+  return attention_fwd(q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap,
+                       window_left=window_left, window_right=window_right,
+                       bias=bias, mask=mask, block_k=block_k)
+
+
+def _ref_fwd(q, k, v, q_lens, kv_lens, bias, mask, scale, softcap,
+             window_left, window_right, block_k):
+  out, lse = attention_fwd(q, k, v, q_lens, kv_lens, scale=scale,
+                           softcap=softcap, window_left=window_left,
+                           window_right=window_right, bias=bias, mask=mask,
+                           block_k=block_k)
+  return (out, lse), (q, k, v, out, lse, q_lens, kv_lens, bias, mask)
+
+
+def _ref_bwd(scale, softcap, window_left, window_right, block_k, res, cts):
+  q, k, v, out, lse, q_lens, kv_lens, bias, mask = res
+  dout, _ = cts
+  dq, dk, dv, dbias = attention_bwd_with_dbias(
+      q, k, v, out, lse, dout, q_lens, kv_lens, scale=scale, softcap=softcap,
+      window_left=window_left, window_right=window_right, bias=bias,
+      mask=mask, block_k=block_k)
+  return dq, dk, dv, None, None, dbias, None
+
+
+reference_attention.defvjp(_ref_fwd, _ref_bwd)

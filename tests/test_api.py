@@ -1,0 +1,348 @@
+"""jax_fa3.attention / dot_product_attention on CPU (reference path) vs jax.nn."""
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+import jax_fa3
+from jax_fa3 import _native, api
+
+from _fa3_testutil import ATOL, RTOL, close as _close, nn_attention as _nn
+from _fa3_testutil import rand as _rand
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+  # Several K/V chunks (with S padding) even for the small test shapes.
+  monkeypatch.setattr(api, "_BLOCK_K", 16)
+
+
+def _check(ours, ref, args, w, argnums=(0, 1, 2), rtol=RTOL, atol=ATOL,
+           grad_tol=(1e-4, 2e-5)):
+  """Values and gradients of sum(w * out) of `ours` vs `ref` (one jit)."""
+  @jax.jit
+  def run(*args):
+    go = jax.grad(lambda *a: jnp.sum(ours(*a).astype(jnp.float32) * w),
+                  argnums)(*args)
+    gr = jax.grad(lambda *a: jnp.sum(ref(*a).astype(jnp.float32) * w),
+                  argnums)(*args)
+    return ours(*args), ref(*args), go, gr
+
+  with jax.default_matmul_precision("highest"):
+    o, r, go, gr = run(*args)
+  assert o.shape == r.shape and o.dtype == args[0].dtype
+  _close(o, r, rtol, atol)
+  # gradients are non-trivial (dq can be 0, e.g. window (0, 0))
+  assert sum(float(np.max(np.abs(np.asarray(b)))) for b in gr) > 0
+  for a, b in zip(go, gr):
+    _close(a, b, *grad_tol)
+  return o
+
+
+CASES = {
+    "sq<sk": dict(shape=dict(T=37, S=53), kw={}),
+    "sq>sk": dict(shape=dict(T=53, S=37), kw={}),
+    "causal_sq<sk": dict(shape=dict(T=37, S=53), kw=dict(is_causal=True)),
+    "causal_sq>sk": dict(shape=dict(T=53, S=37), kw=dict(is_causal=True)),
+    "gqa6/2_causal": dict(shape=dict(T=21, S=30, N=6, K=2),
+                          kw=dict(is_causal=True)),
+    "mqa6/1": dict(shape=dict(T=21, S=30, N=6, K=1), kw={}),
+    "window(3,2)": dict(shape=dict(T=37, S=53),
+                        kw=dict(local_window_size=(3, 2))),
+    "window(0,0)": dict(shape=dict(T=37, S=53),
+                        kw=dict(local_window_size=(0, 0))),
+    "window_int4": dict(shape=dict(T=37, S=53), kw=dict(local_window_size=4)),
+    "window(6,3)_causal": dict(shape=dict(T=37, S=53, N=4, K=2),
+                               kw=dict(local_window_size=(6, 3),
+                                       is_causal=True)),
+    "seqlens": dict(shape=dict(T=37, S=53), kw=dict(
+        query_seq_lengths=np.array([37, 11], np.int32),
+        key_value_seq_lengths=np.array([53, 17], np.int32))),
+    "seqlens_causal_padded_batch": dict(shape=dict(T=37, S=53), kw=dict(
+        is_causal=True, query_seq_lengths=np.array([30, 0], np.int32),
+        key_value_seq_lengths=np.array([45, 53], np.int32))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_matches_jax_nn(case):
+  c = CASES[case]
+  q, k, v, w = _rand(list(CASES).index(case), **c["shape"])
+  kw = dict(c["kw"], scale=0.4)
+  _check(lambda q, k, v: jax_fa3.attention(q, k, v, **kw),
+         lambda q, k, v: _nn(q, k, v, **kw), (q, k, v), w)
+
+
+def test_default_scale_and_reference_impl():
+  q, k, v, w = _rand(1, T=9, S=12, H=16)
+  f = jax.jit(lambda q, k, v: (
+      jax_fa3.attention(q, k, v, implementation="reference"),
+      jax_fa3.attention(q, k, v, scale=0.25)))
+  a, b = f(q, k, v)
+  with jax.default_matmul_precision("highest"):
+    r = _nn(q, k, v)
+  _close(a, r)
+  _close(b, r)  # 1/sqrt(16) = 0.25
+
+
+def test_softcap_gqa():
+  q, k, v, w = _rand(2, T=11, S=17, N=4, K=2)
+  scale, cap = 1.0, 1.5
+
+  def dense(q, k, v):
+    kr, vr = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, kr) * scale
+    s = cap * jnp.tanh(s / cap)
+    s = jnp.where(jnp.tril(jnp.ones((11, 17), bool)), s, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, -1), vr)
+
+  _check(lambda q, k, v: jax_fa3.attention(q, k, v, scale=scale, softcap=cap,
+                                           is_causal=True),
+         dense, (q, k, v), w)
+
+
+BIAS_CASES = ["bias_full", "bias_1_1_T_S", "bias_B_1_1_S", "mask_causal",
+              "bias_mask"]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES)
+def test_bias_mask_via_dot_product_attention(case):
+  B, T, S, N, K = 2, 13, 21, 4, 2
+  q, k, v, w = _rand(3, B=B, T=T, S=S, N=N, K=K)
+  rk = jax.random.split(jax.random.key(4), 2)
+  bias_shapes = {"bias_full": (B, N, T, S), "bias_1_1_T_S": (1, 1, T, S),
+                 "bias_B_1_1_S": (B, 1, 1, S), "bias_mask": (1, N, T, S)}
+  bias = None
+  if case in bias_shapes:
+    bias = jax.random.normal(rk[0], bias_shapes[case], jnp.float32)
+  mask = None
+  kw = {}
+  if case.startswith("mask") or case == "bias_mask":
+    m = jax.random.bernoulli(rk[1], 0.6, (B, 1, T, S))
+    mask = m.at[..., 0].set(True)  # no fully-masked rows
+    kw = dict(is_causal=case == "mask_causal")
+  if bias is not None:
+    _check(lambda q, k, v, b: jax_fa3.dot_product_attention(
+               q, k, v, b, mask, **kw),
+           lambda q, k, v, b: _nn(q, k, v, b, mask, **kw),
+           (q, k, v, bias), w, argnums=(0, 1, 2, 3))
+  else:
+    _check(lambda q, k, v: jax_fa3.dot_product_attention(
+               q, k, v, None, mask, **kw),
+           lambda q, k, v: _nn(q, k, v, None, mask, **kw), (q, k, v), w)
+
+
+def test_3d_inputs_and_residual():
+  q, k, v, w = _rand(5, B=1, T=10, S=14, N=4, K=2)
+  q3, k3, v3, w3 = q[0], k[0], v[0], w[0]
+  f = jax.jit(lambda q, k, v: jax_fa3.dot_product_attention(
+      q, k, v, is_causal=True, return_residual=True))
+  g = jax.jit(lambda q, k, v: _nn(q, k, v, is_causal=True,
+                                  return_residual=True))
+  with jax.default_matmul_precision("highest"):
+    (o, lse), (ro, rlse) = f(q3, k3, v3), g(q3, k3, v3)
+    (o4, lse4), (ro4, rlse4) = f(q, k, v), g(q, k, v)
+  assert o.shape == q3.shape and lse.shape == (10, 4) == rlse.shape
+  assert lse.dtype == k3.dtype and lse4.shape == (1, 10, 4)
+  _close(o, ro)
+  _close(lse, rlse)
+  _close(o4, ro4)
+  _close(lse4, rlse4)
+  # 3-D gradients as well
+  _check(lambda q, k, v: jax_fa3.dot_product_attention(q, k, v),
+         lambda q, k, v: _nn(q, k, v), (q3, k3, v3), w3)
+
+
+def test_residual_has_no_gradient():
+  q, k, v, _ = _rand(6, B=1, T=5, S=6)
+  g = jax.grad(lambda q: jnp.sum(jax_fa3.dot_product_attention(
+      q, k, v, return_residual=True)[1]))(q)
+  assert float(jnp.max(jnp.abs(g))) == 0.0
+
+
+def test_delegates_xla():
+  q, k, v, _ = _rand(7, B=1, T=5, S=6)
+  a = jax_fa3.dot_product_attention(q, k, v, implementation="xla",
+                                    is_causal=True)
+  b = _nn(q, k, v, is_causal=True)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_vs_f32(dtype):
+  q, k, v, w = _rand(8, T=19, S=27, N=4, K=2, dtype=dtype)
+  kw = dict(is_causal=True, query_seq_lengths=np.array([19, 7], np.int32))
+  f32 = lambda t: t.astype(jnp.float32)
+
+  @jax.jit
+  def run(q, k, v):
+    o, vjp = jax.vjp(lambda *a: jax_fa3.attention(*a, **kw), q, k, v)
+    ro, rvjp = jax.vjp(lambda *a: _nn(*a, **kw), f32(q), f32(k), f32(v))
+    return o, vjp(w.astype(dtype)), ro, rvjp(w)
+
+  with jax.default_matmul_precision("highest"):
+    o, g, ro, rg = run(q, k, v)
+  assert o.dtype == dtype and all(x.dtype == dtype for x in g)
+  _close(o, ro, rtol=2e-2, atol=2e-2)
+  for a, b in zip(g, rg):
+    _close(a, b, rtol=5e-2, atol=5e-2)
+
+
+def test_fully_masked_row_outputs_zero():
+  q, k, v, w = _rand(9, B=1, T=8, S=8)
+  kl = np.array([3], np.int32)
+  f = lambda q, k, v: jax_fa3.dot_product_attention(
+      q, k, v, local_window_size=(0, 0), key_value_seq_lengths=kl,
+      return_residual=True)
+  o, lse = jax.jit(f)(q, k, v)
+  o = np.asarray(o)
+  assert np.all(o[0, 3:] == 0) and np.all(np.isinf(np.asarray(lse)[0, 3:]))
+  _close(o[0, :3], np.asarray(v)[0, :3])  # row i sees only key i
+  # jax.nn gives the mean of V here instead (documented difference)
+  r = np.asarray(_nn(q, k, v, local_window_size=(0, 0),
+                     key_value_seq_lengths=kl))
+  assert np.max(np.abs(r[0, 3:])) > 1e-3
+  g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)[0] * w),
+                       (0, 1, 2)))(q, k, v)
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in g)
+
+
+def test_fp8_not_implemented():
+  q, k, v, _ = _rand(10, B=1, T=4, S=4)
+  with pytest.raises(NotImplementedError, match="issue 5"):
+    jax_fa3.attention(q, k, v, precision="fp8")
+
+
+# ----------------------------------------------------------- validation
+def _bad_cases():
+  q, k, v, _ = _rand(11, B=2, T=4, S=5, N=4, K=2, H=8)
+  i32 = lambda *x: np.array(x, np.int32)
+  A = jax_fa3.attention
+  D = jax_fa3.dot_product_attention
+  return {
+      "rank": lambda: A(q[0], k[0], v[0]),
+      "int_dtype": lambda: A(q.astype(jnp.int32), k.astype(jnp.int32),
+                             v.astype(jnp.int32)),
+      "bool_dtype": lambda: A(q > 0, k > 0, v > 0),
+      "mixed_dtype": lambda: A(q, k.astype(jnp.bfloat16), v),
+      "batch": lambda: A(q, k[:1], v[:1]),
+      "head_dim": lambda: A(q, k[..., :4], v[..., :4]),
+      "kv_len": lambda: A(q, k, v[:, :3]),
+      "kv_heads": lambda: A(q, k, v[:, :, :1]),
+      "heads_multiple": lambda: A(q[:, :, :3], k, v),
+      "qlens_dtype": lambda: A(q, k, v, query_seq_lengths=np.array([4, 4])
+                               .astype(np.int64)),
+      "qlens_float": lambda: A(q, k, v,
+                               query_seq_lengths=np.array([4., 4.], np.float32)),
+      "qlens_shape": lambda: A(q, k, v, query_seq_lengths=i32(4, 4, 4)),
+      "kvlens_shape": lambda: A(q, k, v, key_value_seq_lengths=i32(5)),
+      "window_neg": lambda: A(q, k, v, local_window_size=-1),
+      "window_neg_pair": lambda: A(q, k, v, local_window_size=(2, -1)),
+      "window_triple": lambda: A(q, k, v, local_window_size=(1, 2, 3)),
+      "window_float": lambda: A(q, k, v, local_window_size=2.0),
+      "softcap_zero": lambda: A(q, k, v, softcap=0.0),
+      "softcap_neg": lambda: A(q, k, v, softcap=-1.0),
+      "softcap_inf": lambda: A(q, k, v, softcap=float("inf")),
+      "softcap_str": lambda: A(q, k, v, softcap="2"),
+      "scale_nan": lambda: A(q, k, v, scale=float("nan")),
+      "scale_inf": lambda: A(q, k, v, scale=float("inf")),
+      "precision": lambda: A(q, k, v, precision="fp16"),
+      "implementation": lambda: A(q, k, v, implementation="triton"),
+      "fa3_on_f32": lambda: A(q, k, v, implementation="fa3"),
+      "fa3_not_built": lambda: A(q.astype(jnp.bfloat16),
+                                 k.astype(jnp.bfloat16),
+                                 v.astype(jnp.bfloat16), implementation="fa3"),
+      "dpa_impl": lambda: D(q, k, v, implementation="pallas"),
+      "dpa_rank_mix": lambda: D(q[0], k, v),
+      "dpa_mask_dtype": lambda: D(q, k, v, mask=jnp.ones((1, 1, 4, 5))),
+      "dpa_mask_shape": lambda: D(q, k, v, mask=jnp.ones((1, 1, 3, 5), bool)),
+      "dpa_bias_shape": lambda: D(q, k, v, bias=jnp.ones((2, 2, 4, 5))),
+      "dpa_bias_rank": lambda: D(q, k, v, bias=jnp.ones((1, 2, 4, 4, 5))),
+      "dpa_fa3_bias": lambda: D(q, k, v, bias=jnp.ones((1, 1, 4, 5)),
+                                implementation="fa3"),
+  }
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs_raise_value_error(case):
+  with pytest.raises(ValueError):
+    BAD[case]()
+
+
+def test_error_messages_name_the_problem():
+  q, k, v, _ = _rand(12, B=1, T=4, S=4, H=8)
+  with pytest.raises(ValueError, match="dtype float32"):
+    jax_fa3.attention(q, k, v, implementation="fa3")
+  with pytest.raises(ValueError, match="not built"):
+    jax_fa3.attention(q.astype(jnp.float16), k.astype(jnp.float16),
+                      v.astype(jnp.float16), implementation="fa3")
+  with pytest.raises(ValueError, match="query_seq_lengths"):
+    jax_fa3.attention(q, k, v, query_seq_lengths=np.array([1, 2], np.int32))
+  with pytest.raises(ValueError, match="local_window_size"):
+    jax_fa3.attention(q, k, v, local_window_size=(1,))
+  with pytest.raises(ValueError, match="softcap"):
+    jax_fa3.attention(q, k, v, softcap=0)
+
+
+# --------------------------------------------------------------- routing
+def test_exports():
+  assert jax_fa3.__version__ == "0.1.0"
+  assert jax_fa3.kernels_available() is _native.available()
+  assert not jax_fa3.kernels_available()  # CPU CI: extension not built
+
+
+def _prims(jaxpr):
+  """Primitive names appearing in a (printed) jaxpr, sub-jaxprs included."""
+  import re
+  return set(re.findall(r"\b(fa3_fwd|fa3_bwd|scan)\b", str(jaxpr)))
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+  monkeypatch.setattr(_native, "available", lambda: True)
+  monkeypatch.setattr(_native, "sm90_gpu_present", lambda: True)
+  monkeypatch.setattr(_native, "compiled_configs", lambda: frozenset(
+      {("bfloat16", 8), ("float16", 8)}))
+
+
+def test_routing_without_kernels_uses_reference():
+  q, k, v, _ = _rand(13, B=1, T=4, S=4, dtype=jnp.bfloat16)
+  names = _prims(jax.make_jaxpr(lambda q, k, v: jax_fa3.attention(
+      q, k, v))(q, k, v))
+  assert "fa3_fwd" not in names and "scan" in names
+
+
+def test_routing_with_kernels_binds_primitive(fake_kernels):
+  q, k, v, w = _rand(14, B=2, T=9, S=12, N=4, K=2, dtype=jnp.bfloat16)
+  f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
+  names = _prims(jax.make_jaxpr(f)(q, k, v))
+  assert "fa3_fwd" in names
+  gnames = _prims(jax.make_jaxpr(jax.grad(
+      lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2)))(
+          q, k, v))
+  assert "fa3_bwd" in gnames
+  # on CPU the primitive lowers to the reference: same numbers
+  fa3 = jax.jit(lambda q, k, v: jax_fa3.attention(
+      q, k, v, is_causal=True, implementation="fa3"))(q, k, v)
+  ref = jax.jit(lambda q, k, v: jax_fa3.attention(
+      q, k, v, is_causal=True, implementation="reference"))(q, k, v)
+  _close(fa3, ref, rtol=1e-2, atol=1e-2)
+  # f32 / mask / bias still route to the reference
+  assert "fa3_fwd" not in _prims(jax.make_jaxpr(f)(
+      *(x.astype(jnp.float32) for x in (q, k, v))))
+  m = jnp.ones((1, 1, 9, 12), bool)
+  assert "fa3_fwd" not in _prims(jax.make_jaxpr(
+      lambda q, k, v: jax_fa3.dot_product_attention(q, k, v, mask=m))(q, k, v))
+
+
+def test_fa3_rejects_uncompiled_head_dim(fake_kernels):
+  q, k, v, _ = _rand(15, B=1, T=4, S=4, H=16, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="head_dim 16"):
+    jax_fa3.attention(q, k, v, implementation="fa3")
+  # implementation=None silently falls back to the reference
+  names = _prims(jax.make_jaxpr(lambda q, k, v: jax_fa3.attention(
+      q, k, v))(q, k, v))
+  assert "fa3_fwd" not in names

@@ -1,0 +1,88 @@
+"""jax_fa3._native: warning when the extension is missing, FFI registration
+when it is present (with a fake extension), capability queries."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax_fa3
+from jax_fa3 import _native
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code, quiet):
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
+             os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+  env.pop("JAX_FA3_QUIET", None)
+  if quiet:
+    env["JAX_FA3_QUIET"] = "1"
+  r = subprocess.run([sys.executable, "-W", "always", "-c",
+                      textwrap.dedent(code)], env=env, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  return r
+
+
+def test_cpu_queries():
+  assert _native.available() is False
+  assert _native.compiled_configs() == frozenset()
+  assert _native.sm90_gpu_present() is False
+  assert jax_fa3.kernels_available() is False
+
+
+def test_missing_extension_warns_once_unless_quiet():
+  code = """
+      import importlib, jax_fa3, jax_fa3._native
+      importlib.import_module("jax_fa3")
+      assert not jax_fa3.kernels_available()
+  """
+  r = _run(code, quiet=False)
+  assert r.stderr.count("kernels were not built") == 1, r.stderr
+  assert "circular" not in r.stderr
+  assert "UserWarning" in r.stderr and "reference" in r.stderr
+  r = _run(code, quiet=True)
+  assert "kernels were not built" not in r.stderr, r.stderr
+
+
+def test_present_extension_registers_ffi_targets():
+  code = """
+      import sys, types, warnings
+      import jax, jax.ffi
+      calls = []
+      jax.ffi.register_ffi_target = lambda *a, **k: calls.append((a, k))
+      fake = types.ModuleType("jax_fa3._jax_fa3")
+      caps = {"jax_fa3_fwd": object(), "jax_fa3_bwd": object()}
+      fake.registrations = lambda: caps
+      fake.compiled_configs = lambda: [("bfloat16", 128), ("float16", 128)]
+      sys.modules["jax_fa3._jax_fa3"] = fake
+      with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        import jax_fa3
+      from jax_fa3 import _native
+      assert jax_fa3.kernels_available() and _native.available()
+      assert _native.compiled_configs() == frozenset(
+          {("bfloat16", 128), ("float16", 128)})
+      got = sorted((a[0], a[1] is caps[a[0]], k.get("platform")) for a, k in calls)
+      assert got == [("jax_fa3_bwd", True, "CUDA"), ("jax_fa3_fwd", True, "CUDA")], got
+      assert all(len(a) == 2 and set(k) == {"platform"} for a, k in calls)
+      assert _native.sm90_gpu_present() is False  # CPU-only jax
+      print("OK")
+  """
+  r = _run(code, quiet=False)
+  assert "OK" in r.stdout and "not built" not in r.stderr, r.stderr
+
+
+def test_broken_extension_warns_and_falls_back():
+  code = """
+      import sys, types, importlib.abc, importlib.machinery
+      class Broken(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+          if name == "jax_fa3._jax_fa3":
+            raise ImportError("libjax_fa3_kernels.so: cannot open shared object")
+      sys.meta_path.insert(0, Broken())
+      import jax_fa3
+      assert not jax_fa3.kernels_available()
+  """
+  r = _run(code, quiet=False)
+  assert "could not be loaded" in r.stderr and "libjax_fa3_kernels" in r.stderr
