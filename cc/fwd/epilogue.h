@@ -15,8 +15,9 @@ struct Epilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
-  // Named barrier among the consumer warpgroups (ids below are CUTLASS-reserved).
-  static constexpr uint32_t kBarrierO = uint32_t(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
+  // Named barrier among the consumer warpgroups. NamedBarrier's static API
+  // numbers user barriers from 0 (it adds CUTLASS's reserved count itself).
+  static constexpr uint32_t kBarrierO = 0;
 
   template <int kRows, class TO>
   CUTE_DEVICE static void store(const KernelParams& params, typename Traits::SharedStorage& smem,
