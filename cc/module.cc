@@ -13,7 +13,7 @@
 extern "C" {
 void* jax_fa3_fwd_handler();
 int jax_fa3_num_fwd_kernels();
-void jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim);
+int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim);
 }
 
 namespace nb = nanobind;
@@ -30,8 +30,7 @@ NB_MODULE(_jax_fa3, m) {
     std::vector<std::pair<std::string, int>> out;
     for (int i = 0; i < jax_fa3_num_fwd_kernels(); ++i) {
       int dtype = 0, hd = 0;
-      jax_fa3_fwd_kernel_config(i, &dtype, &hd);
-      out.emplace_back(names[dtype], hd);
+      if (jax_fa3_fwd_kernel_config(i, &dtype, &hd)) { out.emplace_back(names[dtype], hd); }
     }
     return out;
   });

@@ -19,8 +19,9 @@ for stage in "$@"; do
     sanitize)
       for tool in memcheck racecheck; do
         XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool $tool --kernel-name regex:fwd_kernel \
-          python3 scripts/smoke.py --quick 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
+          python3 scripts/smoke.py --quick --hdims 64,128,256 --dtypes bfloat16 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
       done ;;
+    ablation) python3 benchmarks/ablation.py --out "$OUT/ablation" 2>&1 | tee "$OUT/ablation.log" | tail -20 ;;
     bench) python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -2,6 +2,8 @@
 // fills FwdParams and dispatches to the compiled instantiation. Thin on
 // purpose: shape policy lives in Python, kernels live in cc/fwd.
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -13,6 +15,15 @@ namespace ffi = xla::ffi;
 
 namespace jax_fa3 {
 namespace {
+
+// Ablation runs pick a compiled variant by name; everyone else gets "default".
+const char* fwd_variant() {
+  static const char* variant = [] {
+    const char* v = std::getenv("JAX_FA3_FWD_VARIANT");
+    return (v && *v) ? v : "default";
+  }();
+  return variant;
+}
 
 int sm_count() {
   static const int count = [] {
@@ -65,7 +76,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
   for (int i = 0; i < kNumFwdKernels; ++i) {
     const FwdKernelEntry& e = kFwdKernels[i];
-    if (e.dtype == dtype && e.head_dim == p.d) {
+    if (e.dtype == dtype && e.head_dim == p.d && std::strcmp(e.variant, fwd_variant()) == 0) {
       cudaError_t err = e.launch(p, stream);
       if (err != cudaSuccess) {
         return ffi::Error::Internal(std::string("jax_fa3_fwd: launch failed: ") + cudaGetErrorString(err));
@@ -73,8 +84,9 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
       return ffi::Error::Success();
     }
   }
-  return ffi::Error::InvalidArgument("jax_fa3_fwd: head dim " + std::to_string(p.d) +
-                                     " with this dtype was not compiled (JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES)");
+  return ffi::Error::InvalidArgument("jax_fa3_fwd: head dim " + std::to_string(p.d) + ", variant '" +
+                                     fwd_variant() + "' with this dtype was not compiled "
+                                     "(JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES / JAX_FA3_ABLATION)");
 }
 
 }  // namespace
@@ -104,8 +116,10 @@ __attribute__((visibility("default"))) void* jax_fa3_fwd_handler() {
   return reinterpret_cast<void*>(JaxFa3Fwd);
 }
 __attribute__((visibility("default"))) int jax_fa3_num_fwd_kernels() { return jax_fa3::kNumFwdKernels; }
-__attribute__((visibility("default"))) void jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim) {
+// Reports only default-variant kernels: those are what Python may dispatch to.
+__attribute__((visibility("default"))) int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim) {
   *dtype = int(jax_fa3::kFwdKernels[i].dtype);
   *head_dim = jax_fa3::kFwdKernels[i].head_dim;
+  return std::strcmp(jax_fa3::kFwdKernels[i].variant, "default") == 0;
 }
 }

@@ -1,5 +1,5 @@
 // Epilogue: normalized O (padded query rows zeroed) goes registers -> shared
-// memory (Q's buffer) -> global through one TMA store per tile, which also
+// memory -> global through one TMA store per tile, which also
 // clips rows past the sequence end. LSE goes straight from registers.
 #pragma once
 
@@ -18,6 +18,11 @@ struct Epilogue {
   // Named barrier among the consumer warpgroups. NamedBarrier's static API
   // numbers user barriers from 0 (it adds CUTLASS's reserved count itself).
   static constexpr uint32_t kBarrierO = 0;
+
+  // Before the CTA retires: the last TMA store must have read shared memory.
+  CUTE_DEVICE static void drain(int mma_tid) {
+    if (mma_tid == 0) { tma_store_wait<0>(); }
+  }
 
   template <int kRows, class TO>
   CUTE_DEVICE static void store(const KernelParams& params, typename Traits::SharedStorage& smem,
@@ -40,7 +45,13 @@ struct Epilogue {
     }
 
     Tensor rO = convert_fragment<Element>(acc_o);
-    Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutO{});
+    Element* o_buffer = Traits::kSeparateO ? smem.o.data() : smem.q.data();
+    Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename Traits::SmemLayoutO{});
+    if constexpr (Traits::kSeparateO) {
+      // The previous tile's store may still be reading the buffer.
+      if (mma_tid == 0) { tma_store_wait<0>(); }
+      cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
+    }
     Tensor tOsO = thr_pv.partition_C(sO);
     copy(rO, tOsO);
     // Generic-proxy writes must be visible to the TMA engine (async proxy).
@@ -55,7 +66,8 @@ struct Epilogue {
                                             group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO_tma, tOgO);
       tma_store_arrive();
-      tma_store_wait<0>();  // the buffer is Q's: keep it until the store has read it
+      // An O staged in Q's buffer must be read out before Q is released.
+      if constexpr (!Traits::kSeparateO) { tma_store_wait<0>(); }
     }
 
     // One thread of each quad writes the LSE of its rows.

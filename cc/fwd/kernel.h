@@ -75,7 +75,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
   PipelineKV pipe_v(smem.pipe_v, pkv, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier init visible to all
 
-  Scheduler scheduler;
+  Scheduler scheduler(p, kBlockM);
 
   if (is_producer) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
@@ -96,6 +96,8 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     Mainloop mainloop;
+    typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup};
+    pingpong.init();
     auto state_q = typename PipelineQ::PipelineState{};
     auto state_kv = typename PipelineKV::PipelineState{};
     // With a softcap the scores become x = tanh(q.k * scale / cap) and
@@ -110,15 +112,23 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax(scale_log2);
-      // Q must have landed even for an empty tile: O is staged in its buffer.
+      // Wait for Q even when the tile is empty, so no TMA write to its buffer
+      // is still in flight when the pipeline slot is handed back.
       pipe_q.consumer_wait(state_q);
-      mainloop.run(smem, mma_tid, mask, p.softcap, raw_to_x, pipe_k, pipe_v, state_kv, softmax, acc_o);
+      mainloop.run(smem, mma_tid, pingpong, mask, softcap, raw_to_x, pipe_k, pipe_v, state_kv, softmax, acc_o);
+      if constexpr (Traits::kSeparateO) {  // Q is dead: let the producer load the next tile's
+        pipe_q.consumer_release(state_q);
+        ++state_q;
+      }
       float lse[Mainloop::kRows];
       softmax.finalize(acc_o, lse);
       Epilogue<Traits, Params>::store(params, smem, mma_tid, tile, q_len, acc_o, lse);
-      pipe_q.consumer_release(state_q);
-      ++state_q;
+      if constexpr (!Traits::kSeparateO) {  // O was staged in Q's buffer and has been stored
+        pipe_q.consumer_release(state_q);
+        ++state_q;
+      }
     }
+    Epilogue<Traits, Params>::drain(mma_tid);
   }
 #endif
 }
@@ -128,10 +138,11 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
 namespace jax_fa3 {
 
 // Host launcher for one instantiation.
-template <class Element, int HeadDim>
+template <class Element, int HeadDim, bool IntraWGOverlap = true, bool PingPong = true,
+          bool Persistent = true>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, HeadDim>;
-  using Scheduler = StaticTileScheduler;
+  using Traits = FwdTraits<Element, HeadDim, IntraWGOverlap, PingPong>;
+  using Scheduler = std::conditional_t<Persistent, PersistentTileScheduler, StaticTileScheduler>;
   using LayoutSeq = typename Traits::LayoutSeq;
   auto layout = [](int seq, int heads, int batch) {
     return LayoutSeq(make_shape(seq, Int<HeadDim>{}, heads, batch),

@@ -1,11 +1,18 @@
 // Consumer mainloop: per K/V block, S = Q K^T (SS WGMMA), mask where the block
 // straddles a boundary, online softmax in FP32, O += P V (RS WGMMA with P
 // still in registers). Each consumer warpgroup owns 64 of the tile's rows.
+//
+// With kIntraWGOverlap (FA3 paper, Sec. 3.2) the loop is software-pipelined:
+// iteration j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, waits
+// only for S_j, runs softmax on it while the P.V GEMM is still in flight, and
+// rescales O once that GEMM has retired. With kPingPong the two warpgroups
+// also take turns issuing their GEMMs (pingpong.h).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include "traits.h"
 #include "mask.h"
+#include "pingpong.h"
 #include "softmax.h"
 #include "utils.h"
 
@@ -17,21 +24,36 @@ struct ConsumerMainloop {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
 
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
 
   // Rows of the S fragment owned by one thread.
   static constexpr int kRows = decltype(size<0>(as_rowcol(partition_fragment_C(
-      typename Traits::TiledMmaQK{}, Shape<Int<kBlockM>, Int<kBlockN>>{}))))::value;
+      typename Traits::TiledMmaQK{}, TileS{}))))::value;
   using Softmax = OnlineSoftmax<kRows>;
+  using PingPong = WarpGroupPingPong<Traits::kPingPong, Traits::kNumMmaThreads>;
+
+  // Scores -> softmax input: softcap and boundary masking.
+  template <class TS, class TC>
+  CUTE_DEVICE static void prepare_scores(TS& tSrS, TC const& cS, const TileMask<kBlockM, kBlockN>& mask,
+                                         int n_block, bool softcap, float raw_to_x) {
+    if (softcap) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
+    }
+    if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
+  }
 
   // Runs the tile's K/V blocks; acc_o ends unnormalized in softmax's frame.
+  // Returns after the last S GEMM has retired, so the caller may release Q.
   template <class PipelineKV, class StateKV, class TO>
-  CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int mma_tid,
-                       const TileMask<kBlockM, kBlockN>& mask, float softcap_or_zero,
-                       float raw_to_x, PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
+  CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
+                       const TileMask<kBlockM, kBlockN>& mask, bool softcap, float raw_to_x,
+                       PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
                        Softmax& softmax, TO& acc_o) {
+    if (mask.empty()) { return; }
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
@@ -41,27 +63,74 @@ struct ConsumerMainloop {
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stage)
-    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(TileS{}));
 
-    for (int n_block = mask.n_block_max - 1; n_block >= mask.n_block_min; --n_block) {
-      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipe_k.consumer_wait(state_kv);
-      warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/0>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
-      pipe_k.consumer_release(state_kv);
+    Tensor tSrS = partition_fragment_C(mma_qk, TileS{});
+    // P in the A-operand register layout of the P.V GEMM.
+    Tensor tOrP = make_tensor<Element>(acc_to_a_layout(tSrS.layout()));
+    float correction[kRows];
 
-      if (softcap_or_zero > 0.f) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
-      }
-      if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
-      softmax.update(tSrS, acc_o);
+    // First block: S only.
+    int n_block = mask.n_block_max - 1;
+    pipe_k.consumer_wait(state_kv);
+    pingpong.wait_turn();
+    warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
+    pingpong.pass_turn();
+    warpgroup_wait<0>();
+    pipe_k.consumer_release(state_kv);
+    prepare_scores(tSrS, cS, mask, n_block, softcap, raw_to_x);
+    softmax.max_and_exp(tSrS, correction);  // acc_o is still zero: no rescale
+    convert_into(tSrS, tOrP);
 
-      Tensor rP = convert_fragment<Element>(tSrS);
-      Tensor tOrP = make_tensor(rP.data(), acc_to_a_layout(rP.layout()));
-      pipe_v.consumer_wait(state_kv);
-      warpgroup_gemm</*ZeroInit=*/false, /*WaitDepth=*/0>(mma_pv, tOrP, tOrV(_, _, _, state_kv.index()), acc_o);
-      pipe_v.consumer_release(state_kv);
+    if constexpr (Traits::kIntraWGOverlap) {
+      StateKV state_v = state_kv;  // stage holding the V that matches P
       ++state_kv;
+      for (--n_block; n_block >= mask.n_block_min; --n_block) {
+        pipe_k.consumer_wait(state_kv);
+        pingpong.wait_turn();
+        warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
+        pipe_v.consumer_wait(state_v);
+        warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+        pingpong.pass_turn();
+        warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+        pipe_k.consumer_release(state_kv);
+        prepare_scores(tSrS, cS, mask, n_block, softcap, raw_to_x);
+        softmax.max_and_exp(tSrS, correction);
+        warpgroup_wait<0>();  // P.V retired: O and the P registers are free
+        pipe_v.consumer_release(state_v);
+        Softmax::rescale(acc_o, correction);
+        convert_into(tSrS, tOrP);
+        state_v = state_kv;
+        ++state_kv;
+      }
+      pipe_v.consumer_wait(state_v);
+      pingpong.wait_turn();
+      warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+      pingpong.pass_turn();
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(state_v);
+    } else {
+      // Sequential: each block's P.V completes before the next S is issued.
+      for (;;) {
+        pipe_v.consumer_wait(state_kv);
+        pingpong.wait_turn();
+        warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_kv.index()), acc_o);
+        pingpong.pass_turn();
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(state_kv);
+        ++state_kv;
+        if (--n_block < mask.n_block_min) { break; }
+        pipe_k.consumer_wait(state_kv);
+        pingpong.wait_turn();
+        warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
+        pingpong.pass_turn();
+        warpgroup_wait<0>();
+        pipe_k.consumer_release(state_kv);
+        prepare_scores(tSrS, cS, mask, n_block, softcap, raw_to_x);
+        softmax.max_and_exp(tSrS, correction);
+        Softmax::rescale(acc_o, correction);
+        convert_into(tSrS, tOrP);
+      }
     }
   }
 };

@@ -33,6 +33,7 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
 struct FwdKernelEntry {
   DType dtype;
   int head_dim;
+  const char* variant;  // "default", or an ablation variant (JAX_FA3_FWD_VARIANT)
   FwdLauncher launch;
 };
 

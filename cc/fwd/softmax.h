@@ -19,12 +19,13 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
   }
 
-  // Folds one block of scores in: updates the running max, rescales the output
-  // accumulator and the running sum, and overwrites the scores with P (unnormalized).
-  template <class TS, class TO>
-  CUTE_DEVICE void update(TS& scores, TO& acc_o) {
+  // Folds one block of scores into the running max/sum and overwrites the
+  // scores with P (unnormalized). Returns, per row, the factor by which the
+  // output accumulated so far must be rescaled -- separately, so that with
+  // intra-warpgroup overlap the rescale can wait for the in-flight P.V GEMM.
+  template <class TS>
+  CUTE_DEVICE void max_and_exp(TS& scores, float (&correction)[kRows]) {
     Tensor s = as_rowcol(scores);
-    Tensor o = as_rowcol(acc_o);
     static_assert(decltype(size<0>(s))::value == kRows);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -35,18 +36,25 @@ struct OnlineSoftmax {
       // A row that has seen only masked keys keeps max -inf: use 0 as the
       // offset so exp2 gives 0 rather than NaN.
       float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      float correction = exp2f(row_max[r] * scale_log2 - m_scaled);
+      correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
       row_max[r] = m;
-      row_sum[r] *= correction;
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(o); ++c) { o(r, c) *= correction; }
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
         sum += s(r, c);
       }
-      row_sum[r] += sum;
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+  }
+
+  template <class TO>
+  CUTE_DEVICE static void rescale(TO& acc_o, const float (&correction)[kRows]) {
+    Tensor o = as_rowcol(acc_o);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) { o(r, c) *= correction[r]; }
     }
   }
 

@@ -24,9 +24,13 @@ template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlo
 template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 96,  kStages = 2; };
 template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; };
 
-template <class Element_, int HeadDim>
+// The overlap switches exist for the ablation in benchmarks/RESULTS.md; the
+// default instantiation has both on.
+template <class Element_, int HeadDim, bool IntraWGOverlap = true, bool PingPong = true>
 struct FwdTraits {
   using Element = Element_;
+  static constexpr bool kIntraWGOverlap = IntraWGOverlap;
+  static constexpr bool kPingPong = PingPong;
   using ElementAccum = float;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = FwdTileConfig<HeadDim>::kBlockM;
@@ -74,9 +78,15 @@ struct FwdTraits {
       SmemLayoutV{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                           Step<_2, _1, _3>{})));
-  // The output tile is staged in Q's buffer (Q is dead once the last S GEMM
-  // of the tile has completed) and leaves through a TMA store.
+  // The output tile is staged in shared memory and leaves through a TMA
+  // store. It gets its own buffer when that fits, so Q can be released (and
+  // the next tile's Q loaded) as soon as the last S GEMM retires; otherwise
+  // (d >= 192) it reuses Q's buffer after that GEMM.
   using SmemLayoutO = SmemLayoutQ;
+  static constexpr int kSmemBytesNoO =
+      int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutK>) + 1024;
+  static constexpr bool kSeparateO =
+      kSmemBytesNoO + int(sizeof(Element)) * cosize_v<SmemLayoutO> <= 227 * 1024;
 
   using PipelineQ = cutlass::PipelineTmaAsync<1>;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
@@ -85,6 +95,7 @@ struct FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, kSeparateO ? cute::cosize_v<SmemLayoutO> : 1, 1024> o;
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineKV::SharedStorage pipe_k;
     typename PipelineKV::SharedStorage pipe_v;

@@ -50,6 +50,19 @@ CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
   return dst;
 }
 
+// Same conversion into an existing fragment (used when the destination must
+// keep its identity across loop iterations, e.g. P feeding an async WGMMA).
+template <class EngineS, class LayoutS, class EngineD, class LayoutD>
+CUTE_DEVICE void convert_into(Tensor<EngineS, LayoutS> const& src, Tensor<EngineD, LayoutD>& dst) {
+  using From = typename EngineS::value_type;
+  using To = typename EngineD::value_type;
+  constexpr int N = decltype(size(src))::value;
+  static_assert(N == decltype(size(dst))::value);
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+}
+
 // One warpgroup-wide GEMM over the whole K extent of the fragments.
 // ZeroInit overwrites C; WaitDepth >= 0 waits until at most that many WGMMA
 // batches of this warpgroup are still in flight (0: this one is done).

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""What each level of FA3's overlap buys: the same shapes with compiled kernel
+variants (build with JAX_FA3_ABLATION=ON), each in its own process because the
+variant is chosen once per process by JAX_FA3_FWD_VARIANT. cuDNN runs in every
+process as the same-run yardstick.
+
+  python benchmarks/ablation.py [--seqlens 8k] [--out DIR]
+"""
+import argparse
+import csv
+import os
+import subprocess
+import sys
+
+VARIANTS = [
+    ("default", "everything: warp specialization + ping-pong + intra-WG overlap + persistent"),
+    ("no_pingpong", "no inter-warpgroup ping-pong"),
+    ("no_overlap", "no intra-warpgroup overlap"),
+    ("no_overlap_no_pingpong", "warp specialization only"),
+    ("static_grid", "everything, static grid instead of persistent scheduler"),
+]
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--seqlens", default="8k")
+  ap.add_argument("--causal", default="both")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
+  args = ap.parse_args()
+  here = os.path.dirname(os.path.abspath(__file__))
+  rows = []
+  for variant, what in VARIANTS:
+    out = os.path.join(args.out, f"ablation_{variant}")
+    env = dict(os.environ, JAX_FA3_FWD_VARIANT=variant)
+    cmd = [sys.executable, os.path.join(here, "bench.py"), "--hdims", "128", "--seqlens", args.seqlens,
+           "--causal", args.causal, "--modes", "fwd", "--impls", "fa3,cudnn", "--no-plot", "--out", out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+      print(f"{variant}: bench failed\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+      continue
+    with open(os.path.join(out, "results.csv")) as f:
+      for r in csv.DictReader(f):
+        if r["impl"] == "fa3" and r["status"] == "ok":
+          rows.append((variant, what, r["causal"], r["seqlen"], float(r["tflops"]), r["ratio_vs_cudnn"]))
+  print("| variant | what | causal | seqlen | TFLOP/s | vs cuDNN (same process) |")
+  print("|---|---|---|---|---|---|")
+  for v, what, c, s, tf, ratio in rows:
+    print(f"| {v} | {what} | {c} | {s} | {tf:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+  main()
