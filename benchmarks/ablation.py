@@ -19,6 +19,9 @@ VARIANTS = [
     ("no_overlap_no_pingpong", "warp specialization only"),
     ("static_grid", "everything, static grid instead of persistent scheduler"),
 ]
+# (variant, head dim) pairs beyond d128
+EXTRA = [("default", 256, "d256 default (no intra-WG overlap: it spills there)"),
+         ("overlap", 256, "d256 with intra-WG overlap")]
 
 
 def main():
@@ -29,10 +32,10 @@ def main():
   args = ap.parse_args()
   here = os.path.dirname(os.path.abspath(__file__))
   rows = []
-  for variant, what in VARIANTS:
-    out = os.path.join(args.out, f"ablation_{variant}")
+  for variant, hdim, what in [(v, 128, w) for v, w in VARIANTS] + EXTRA:
+    out = os.path.join(args.out, f"ablation_{variant}_d{hdim}")
     env = dict(os.environ, JAX_FA3_FWD_VARIANT=variant)
-    cmd = [sys.executable, os.path.join(here, "bench.py"), "--hdims", "128", "--seqlens", args.seqlens,
+    cmd = [sys.executable, os.path.join(here, "bench.py"), "--hdims", str(hdim), "--seqlens", args.seqlens,
            "--causal", args.causal, "--modes", "fwd", "--impls", "fa3,cudnn", "--no-plot", "--out", out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -96,7 +96,8 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     Mainloop mainloop;
-    typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup};
+    typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup,
+                                         p.window_left < 0 && p.window_right < 0};
     pingpong.init();
     auto state_q = typename PipelineQ::PipelineState{};
     auto state_kv = typename PipelineKV::PipelineState{};
@@ -138,8 +139,8 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
 namespace jax_fa3 {
 
 // Host launcher for one instantiation.
-template <class Element, int HeadDim, bool IntraWGOverlap = true, bool PingPong = true,
-          bool Persistent = true>
+template <class Element, int HeadDim, bool IntraWGOverlap = FwdTileConfig<HeadDim>::kIntraWGOverlap,
+          bool PingPong = true, bool Persistent = true>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraits<Element, HeadDim, IntraWGOverlap, PingPong>;
   using Scheduler = std::conditional_t<Persistent, PersistentTileScheduler, StaticTileScheduler>;

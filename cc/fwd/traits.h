@@ -17,16 +17,20 @@ using namespace cute;
 
 // Tile sizes per head dim. kBlockN shrinks as the head dim grows so that Q plus
 // `kStages` K and V tiles still fit in the 227 KB of shared memory of one CTA.
+// Intra-warpgroup overlap keeps S_{j+1} and P_j live together; at d256 (a
+// 128-register O accumulator) that spilled 150-220 bytes in the main loop, so
+// d256 runs without it (an ablation variant keeps it, for measurement).
 template <int HeadDim> struct FwdTileConfig;
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 96,  kStages = 2; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; };
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
+template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
+template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
+template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = true; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = false; };
 
 // The overlap switches exist for the ablation in benchmarks/RESULTS.md; the
-// default instantiation has both on.
-template <class Element_, int HeadDim, bool IntraWGOverlap = true, bool PingPong = true>
+// default instantiation takes FwdTileConfig's choice and ping-pong on.
+template <class Element_, int HeadDim, bool IntraWGOverlap = FwdTileConfig<HeadDim>::kIntraWGOverlap,
+          bool PingPong = true>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kIntraWGOverlap = IntraWGOverlap;
@@ -43,10 +47,12 @@ struct FwdTraits {
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   // setmaxnreg budgets. The CTA starts at 168 regs/thread (65536 / 384); the
-  // pool freed by the producer (168 - 32) * 128 must cover the consumers' raise
-  // (232 - 168) * 256. 32 rather than 24 keeps the producer's TMA loop spill-free.
-  static constexpr int kProducerRegs = 32;
-  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? 232 : 160;
+  // pool freed by the producer (168 - P) * 128 must cover the consumers' raise
+  // (C - 168) * 256. P = 32 keeps the producer's TMA loop spill-free; head dims
+  // >= 192 (a 64 x d fp32 O accumulator of 96+ registers) take P = 24, C = 240
+  // and accept one producer spill to relieve the consumers.
+  static constexpr int kProducerRegs = HeadDim >= 192 ? 24 : 32;
+  static constexpr int kConsumerRegs = HeadDim >= 192 ? 240 : 232;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
