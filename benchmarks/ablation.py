@@ -20,8 +20,7 @@ VARIANTS = [
     ("static_grid", "everything, static grid instead of persistent scheduler"),
 ]
 # (variant, head dim) pairs beyond d128
-EXTRA = [("default", 256, "d256 default (no intra-WG overlap: it spills there)"),
-         ("overlap", 256, "d256 with intra-WG overlap")]
+EXTRA = [("default", 256, "d256: everything"), ("no_overlap", 256, "d256: no intra-WG overlap")]
 
 
 def main():

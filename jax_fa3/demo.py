@@ -56,7 +56,10 @@ def main(argv=None):
     return jnp.sum(attn(q, k, v).astype(jnp.float32) * g.astype(jnp.float32))
 
   ours = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
-  theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  # The yardstick users have today: cuDNN on a GPU, XLA elsewhere.
+  their_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                        implementation=their_impl)
   fwd = jax.jit(ours)
   step = jax.jit(jax.value_and_grad(lambda q, k, v: loss(ours, q, k, v), argnums=(0, 1, 2)))
 
@@ -64,7 +67,7 @@ def main(argv=None):
   with jax.default_matmul_precision("highest"):
     ref = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
   err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
-  same = jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32)
+  same = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla").astype(jnp.float32)
   err_xla = float(jnp.max(jnp.abs(same - ref)))
   _, grads = step(q, k, v)
   finite = all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in grads)
@@ -75,7 +78,7 @@ def main(argv=None):
   t_ours = _time(fwd, q, k, v)
   t_theirs = _time(jax.jit(theirs), q, k, v)
   print(f"forward: jax_fa3 {t_ours * 1e3:.3f} ms ({flops / t_ours / 1e12:.1f} TFLOP/s) | "
-        f"jax.nn default {t_theirs * 1e3:.3f} ms ({flops / t_theirs / 1e12:.1f} TFLOP/s)")
+        f"jax.nn ({their_impl}) {t_theirs * 1e3:.3f} ms ({flops / t_theirs / 1e12:.1f} TFLOP/s)")
   ok = err <= 2 * err_xla + 2e-2 and finite
   print("demo:", "OK" if ok else "MISMATCH")
   return 0 if ok else 1

@@ -13,12 +13,13 @@ rc=0
 for stage in "$@"; do
   echo "=== $stage ==="
   case "$stage" in
+    demo) python3 -m jax_fa3.demo 2>&1 | tee "$OUT/demo.log" ;;
     smoke) python3 scripts/smoke.py 2>&1 | tee "$OUT/smoke.log" ;;
     tests) python3 -m pytest -q -x -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     alltests) python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$OUT/alltests.log" | tail -40 ;;
     sanitize)
       for tool in memcheck racecheck; do
-        XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool $tool --kernel-name regex:fwd_kernel \
+        XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool $tool --kernel-name kns=fwd_kernel \
           python3 scripts/smoke.py --quick --hdims 64,128,256 --dtypes bfloat16 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
       done ;;
     ablation) python3 benchmarks/ablation.py --out "$OUT/ablation" 2>&1 | tee "$OUT/ablation.log" | tail -20 ;;

@@ -1,6 +1,7 @@
 // XLA FFI handler for the forward pass: validates what the kernel relies on,
 // fills FwdParams and dispatches to the compiled instantiation. Thin on
 // purpose: shape policy lives in Python, kernels live in cc/fwd.
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -25,14 +26,19 @@ const char* fwd_variant() {
   return variant;
 }
 
+// Cached per device (a process may drive several GPUs of different kinds).
 int sm_count() {
-  static const int count = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= kMaxDevices) { dev = 0; }
+  int n = counts[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n;
-  }();
-  return count;
+    counts[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

@@ -159,7 +159,9 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   };
   auto kernel = fwd_kernel<Traits, Scheduler>;
   constexpr int smem_bytes = Traits::kSmemBytes;
-  static const cudaError_t attr_status =
+  // Per launch, not once per process: the attribute is per device, and one
+  // process may drive several GPUs. It is a host-side call of about a microsecond.
+  cudaError_t attr_status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (attr_status != cudaSuccess) { return attr_status; }
   dim3 grid = Scheduler::grid(p, Traits::kBlockM);

@@ -2,13 +2,15 @@
 // "for tile = first(); tile.valid; tile = next(tile)", so schedulers are
 // interchangeable.
 //  - StaticTileScheduler: one tile per CTA (grid = all tiles).
-//  - PersistentTileScheduler: one CTA per SM walking a strided tile list.
-//    The m-blocks of one (head, batch) are adjacent, so concurrently running
-//    CTAs share K/V in L2. With a causal-like window (work grows with m) each
-//    head's m-blocks are visited longest first, so the short tiles fill the
-//    tail. (Ordering every head's longest tile first was measured slower at
-//    causal d128 8k: 519 vs 550 TFLOP/s for a static grid -- it streams K/V of
-//    all heads at once and loses L2 reuse.)
+//  - PersistentTileScheduler: one CTA per SM walking a strided tile list
+//    (CTA c takes tiles c, c + grid, c + 2 grid, ...). Without a window all
+//    tiles cost the same and the m-blocks of one (head, batch) are adjacent,
+//    so concurrently running CTAs share K/V in L2. With a causal-like window
+//    (work grows with m) the list is m-major, longest m first across all
+//    heads: every CTA's stride then walks down the same cost curve, so the
+//    per-CTA totals match. (A head-major longest-first list was measured:
+//    with a fixed stride it hands some CTAs only heavy tiles -- at causal d128
+//    16k it ran 439 TFLOP/s against 583 for this order.)
 #pragma once
 
 #include <cute/config.hpp>
@@ -51,9 +53,8 @@ struct PersistentTileScheduler {
   CUTE_DEVICE WorkTile decode(int i) const {
     if (i >= total) { return {0, 0, 0, false}; }
     int m, hb;
-    m = i % num_m;
-    hb = i / num_m;
-    if (heavy_first) { m = num_m - 1 - m; }
+    if (heavy_first) { m = num_m - 1 - i / num_hb; hb = i % num_hb; }
+    else { m = i % num_m; hb = i / num_m; }
     return {m, hb % num_heads, hb / num_heads, true};
   }
   CUTE_DEVICE WorkTile first() { idx = blockIdx.x; return decode(idx); }

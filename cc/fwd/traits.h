@@ -18,14 +18,14 @@ using namespace cute;
 // Tile sizes per head dim. kBlockN shrinks as the head dim grows so that Q plus
 // `kStages` K and V tiles still fit in the 227 KB of shared memory of one CTA.
 // Intra-warpgroup overlap keeps S_{j+1} and P_j live together; at d256 (a
-// 128-register O accumulator) that spilled 150-220 bytes in the main loop, so
-// d256 runs without it (an ablation variant keeps it, for measurement).
+// 128-register O accumulator) that spills ~200 bytes in the main loop, yet it
+// was still measured faster there (d256 8k: 737 vs 637 TFLOP/s without).
 template <int HeadDim> struct FwdTileConfig;
 template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = true; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = false; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 
 // The overlap switches exist for the ablation in benchmarks/RESULTS.md; the
 // default instantiation takes FwdTileConfig's choice and ping-pong on.
