@@ -37,21 +37,9 @@ CUTE_HOST_DEVICE constexpr auto acc_to_a_layout(Layout acc) {
                      coalesce(make_layout(get<1>(get<2>(v)), get<2>(acc))));
 }
 
-// Elementwise numeric conversion of a whole register fragment (vectorized
-// cvt.rn.bf16x2 / f16x2 for float -> 16-bit).
-template <class To, class Engine, class Layout>
-CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
-  using From = typename Engine::value_type;
-  constexpr int N = decltype(size(src))::value;
-  Tensor dst = make_tensor<To>(src.layout());
-  cutlass::NumericArrayConverter<To, From, N> convert;
-  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
-      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
-  return dst;
-}
-
-// Same conversion into an existing fragment (used when the destination must
-// keep its identity across loop iterations, e.g. P feeding an async WGMMA).
+// Elementwise numeric conversion of a register fragment into an existing one
+// (vectorized cvt.rn.bf16x2 / f16x2 for float -> 16-bit). Writing in place
+// lets P keep its registers across loop iterations while it feeds async WGMMAs.
 template <class EngineS, class LayoutS, class EngineD, class LayoutD>
 CUTE_DEVICE void convert_into(Tensor<EngineS, LayoutS> const& src, Tensor<EngineD, LayoutD>& dst) {
   using From = typename EngineS::value_type;
@@ -61,6 +49,14 @@ CUTE_DEVICE void convert_into(Tensor<EngineS, LayoutS> const& src, Tensor<Engine
   cutlass::NumericArrayConverter<To, From, N> convert;
   *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
       convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+}
+
+// The same into a fresh fragment of the source's layout.
+template <class To, class Engine, class Layout>
+CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  Tensor dst = make_tensor<To>(src.layout());
+  convert_into(src, dst);
+  return dst;
 }
 
 // One warpgroup-wide GEMM over the whole K extent of the fragments.
