@@ -46,7 +46,7 @@ DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_HDIMS = (64, 128, 256)
 QUICK_SEQLENS = (1024, 4096, 8192)
 QUICK_HDIMS = (128,)
-IMPLS = ("fa3", "cudnn", "xla")
+IMPLS = ("fa3", "fa3det", "cudnn", "xla")  # fa3det: deterministic=True backward
 MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
@@ -197,7 +197,8 @@ def plot(rows: list[Row], path: str, title: str = "") -> bool:
   modes = [m for m in MODES if any(r.mode == m for r in ok)]
   panels = sorted({(r.shape.causal, r.shape.hdim) for r in ok})
   impls = [i for i in IMPLS if any(r.impl == i for r in ok)]
-  style = {"fa3": ("tab:red", "o"), "cudnn": ("tab:green", "s"),
+  style = {"fa3": ("tab:red", "o"), "fa3det": ("tab:orange", "D"),
+           "cudnn": ("tab:green", "s"),
            "xla": ("tab:blue", "^")}
   nr, nc = len(modes), len(panels)
   fig, axes = plt.subplots(nr, nc, figsize=(3.6 * nc, 3.0 * nr),
@@ -306,10 +307,11 @@ def _import_jax_fa3():
 
 def _attn_fn(impl: str, causal: bool):
   import jax
-  if impl == "fa3":
+  if impl in ("fa3", "fa3det"):
     jax_fa3 = _import_jax_fa3()
     return functools.partial(jax_fa3.attention, is_causal=causal,
-                             implementation="fa3")
+                             implementation="fa3",
+                             deterministic=impl == "fa3det")
   if impl in ("cudnn", "xla"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                              implementation=impl)

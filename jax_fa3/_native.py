@@ -21,7 +21,8 @@ except ImportError as _e:  # extension not built (or not loadable)
 else:
   _IMPORT_ERROR = None
 
-__all__ = ["available", "compiled_configs", "sm90_gpu_present"]
+__all__ = ["available", "compiled_configs", "compiled_bwd_configs",
+           "sm90_gpu_present"]
 
 if _jax_fa3 is None:
   if os.environ.get("JAX_FA3_QUIET", "") != "1":
@@ -36,11 +37,16 @@ if _jax_fa3 is None:
         "used. Set JAX_FA3_QUIET=1 to silence this warning.",
         UserWarning, stacklevel=2)
   _CONFIGS: frozenset = frozenset()
+  _BWD_CONFIGS: frozenset = frozenset()
 else:
   for _name, _capsule in _jax_fa3.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
   _CONFIGS = frozenset(
       (str(d), int(h)) for d, h in _jax_fa3.compiled_configs())
+  # A library built before the backward kernel has no compiled_bwd_configs.
+  _BWD_CONFIGS = frozenset(
+      (str(d), int(h))
+      for d, h in getattr(_jax_fa3, "compiled_bwd_configs", lambda: [])())
 
 
 def available() -> bool:
@@ -52,6 +58,13 @@ def compiled_configs() -> frozenset:
   """``frozenset`` of ``(dtype_name, head_dim)`` the kernels were built for,
   e.g. ``{("bfloat16", 128), ("float16", 128)}``; empty when not built."""
   return _CONFIGS
+
+
+def compiled_bwd_configs() -> frozenset:
+  """``frozenset`` of ``(dtype_name, head_dim)`` with a backward kernel (a
+  subset of :func:`compiled_configs`); the others differentiate through the
+  reference backward."""
+  return _BWD_CONFIGS
 
 
 _SM90: bool | None = None

@@ -124,6 +124,12 @@ def check_is_causal(is_causal):
   return bool(is_causal)
 
 
+def check_deterministic(deterministic):
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+  return bool(deterministic)
+
+
 def check_precision(precision):
   if precision not in PRECISIONS:
     raise ValueError(f"precision must be None or 'fp8', got {precision!r}")

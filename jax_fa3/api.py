@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fa3 import _native, _validate as V, reference
-from jax_fa3 import primitives
+from jax_fa3 import primitives, sharding
+from jax_fa3 import fp8
 
 __all__ = ["attention", "dot_product_attention", "flax_attention_fn"]
 
@@ -34,7 +35,7 @@ def _fold_window(window, is_causal):
 
 
 def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
-          implementation):
+          implementation, deterministic=False):
   """Validated 4-D inputs -> (out [B,T,N,H], lse f32 [B,N,T])."""
   B, T, N, H = q.shape
   S = k.shape[1]
@@ -53,8 +54,8 @@ def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
       q_lens = jnp.full((B,), T, jnp.int32)
     if kv_lens is None:
       kv_lens = jnp.full((B,), S, jnp.int32)
-    return primitives.fa3_attention(q, k, v, q_lens, kv_lens, scale, softcap,
-                                    wl, wr)
+    return sharding.fa3_attention(q, k, v, q_lens, kv_lens, scale, softcap,
+                                    wl, wr, deterministic)
   return reference.reference_attention(q, k, v, q_lens, kv_lens, bias, mask,
                                        scale, softcap, wl, wr, _BLOCK_K)
 
@@ -62,7 +63,8 @@ def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
 def attention(query, key, value, *, scale=None, is_causal=False,
               local_window_size=None, query_seq_lengths=None,
               key_value_seq_lengths=None, softcap=None, precision=None,
-              implementation=None):
+              implementation=None, deterministic=False, fp8_block_scales=True,
+              fp8_hadamard=True, fp8_seed=0):
   """FlashAttention-3 attention with the layout of ``jax.nn.dot_product_attention``.
 
   Args:
@@ -74,9 +76,18 @@ def attention(query, key, value, *, scale=None, is_causal=False,
       sees keys ``i - left <= j <= i + right`` (jax.nn semantics).
     query_seq_lengths, key_value_seq_lengths: optional ``int32[B]``.
     softcap: optional positive float ``c``: ``s = c * tanh(s / c)``.
-    precision: None, or ``"fp8"`` (not yet implemented).
+    precision: None, or ``"fp8"``: bf16/fp16 inputs are quantized to e4m3
+      inside and the FP8 kernel runs (see :mod:`jax_fa3.fp8`); the result has
+      the input dtype; gradients are straight-through (the 16-bit backward at
+      the original inputs).  Options, for ablation: ``fp8_block_scales``
+      (False: one scale per tensor), ``fp8_hadamard`` (random-sign Hadamard
+      rotation of Q and K), ``fp8_seed`` (the signs).
     implementation: None (kernel when supported, otherwise the reference),
       ``"fa3"`` (kernel or ValueError) or ``"reference"``.
+    deterministic: if True, the backward kernel sums dQ over key blocks in a
+      fixed order, so gradients are bit-identical run to run (slower: key
+      blocks wait for their turn per query block).  The forward is always
+      deterministic, and so is the reference backward.
 
   Returns:
     Array with ``query``'s shape and dtype.  Rows with no visible key are 0
@@ -91,15 +102,24 @@ def attention(query, key, value, *, scale=None, is_causal=False,
   softcap = V.check_softcap(softcap)
   scale = V.check_scale(scale, H)
   is_causal = V.check_is_causal(is_causal)
+  deterministic = V.check_deterministic(deterministic)
   V.check_precision(precision)
   V.check_implementation(implementation, _OWN_IMPLS)
-  if precision == "fp8":
-    raise NotImplementedError(
-        "precision='fp8' lands with the FP8 kernel (issue 5)")
   wl, wr = _fold_window(window, is_causal)
+  if precision == "fp8":
+    opts = fp8.check_fp8_options(fp8_block_scales, fp8_hadamard, fp8_seed)
+    def bf16_core(q, k, v):
+      return _core(q, k, v, bias=None, mask=None, q_lens=q_lens,
+                   kv_lens=kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
+                   implementation=implementation,
+                   deterministic=deterministic)[0]
+    return fp8.fp8_attention(
+        q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
+        block_scales=opts[0], hadamard=opts[1], seed=opts[2],
+        implementation=implementation, bf16_core=bf16_core)
   out, _ = _core(q, k, v, bias=None, mask=None, q_lens=q_lens,
                  kv_lens=kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
-                 implementation=implementation)
+                 implementation=implementation, deterministic=deterministic)
   return out
 
 

@@ -1,10 +1,12 @@
 """JAX primitives ``fa3_fwd`` / ``fa3_bwd`` and the differentiable wrapper.
 
 On CUDA the forward lowers to the XLA FFI custom call ``jax_fa3_fwd`` (see the
-FFI contract in ``cc/``); the backward lowers to ``jax_fa3_bwd`` once
-``_BWD_KERNEL`` is switched on.  On every other platform (and for the backward
-until then) both lower to the pure-JAX blockwise reference
-(:mod:`jax_fa3.reference`), so the primitives are usable -- and tested -- on CPU.
+FFI contract in ``cc/``) and the backward to ``jax_fa3_bwd`` for every
+(dtype, head dim) in ``_native.compiled_bwd_configs()``; a configuration
+without a backward kernel (head dims 96/192/256 for now) lowers the backward to
+the reference, explicitly.  On every other platform both lower to the pure-JAX
+blockwise reference (:mod:`jax_fa3.reference`), so the primitives are usable
+-- and tested -- on CPU.
 
 Static parameters (``scale``, ``softcap``, ``window_left``, ``window_right``)
 are Python ``float``/``int`` primitive params; they are converted to
@@ -26,12 +28,13 @@ try:
 except ImportError:  # pragma: no cover - future jax
   from jax._src.core import ShapedArray  # type: ignore
 
-from jax_fa3 import reference
+from jax_fa3 import _native, reference
 
 __all__ = ["fa3_fwd_p", "fa3_bwd_p", "fa3_fwd", "fa3_bwd", "fa3_attention"]
 
-# Flip to True when the CUDA backward kernel ("jax_fa3_bwd") lands.
-_BWD_KERNEL = False
+# The CUDA backward kernel ("jax_fa3_bwd") is used for the configurations in
+# _native.compiled_bwd_configs(); False forces the reference backward.
+_BWD_KERNEL = True
 
 FWD_TARGET = "jax_fa3_fwd"
 BWD_TARGET = "jax_fa3_bwd"
@@ -56,11 +59,16 @@ def fa3_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0, window_left=-1,
 
 
 def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale, softcap=0.0,
-            window_left=-1, window_right=-1):
-  """Binds ``fa3_bwd``: returns ``(dq, dk, dv)``."""
+            window_left=-1, window_right=-1, deterministic=False):
+  """Binds ``fa3_bwd``: returns ``(dq, dk, dv)``.
+
+  ``deterministic=True`` makes the kernel's dQ reduction run in a fixed order
+  (bit-identical gradients run to run); the reference is deterministic anyway.
+  """
   dq, dk, dv = fa3_bwd_p.bind(
       q, k, v, out, lse, dout, q_lens, kv_lens,
-      **_attrs(scale, softcap, window_left, window_right))
+      **_attrs(scale, softcap, window_left, window_right),
+      deterministic=bool(deterministic))
   return dq, dk, dv
 
 
@@ -69,7 +77,9 @@ def _fwd_impl(q, k, v, q_lens, kv_lens, **attrs):
   return reference.attention_fwd(q, k, v, q_lens, kv_lens, **attrs)
 
 
-def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, **attrs):
+def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, deterministic=False,
+              **attrs):
+  del deterministic  # the reference's order is fixed
   return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                                  **attrs)
 
@@ -120,10 +130,54 @@ mlir.register_lowering(fa3_fwd_p, mlir.lower_fun(_fwd_impl,
                                                  multiple_results=True))
 mlir.register_lowering(fa3_bwd_p, mlir.lower_fun(_bwd_impl,
                                                  multiple_results=True))
+BWD_ROW_PAD = 128    # kBwdRowPad in cc/bwd/params.h
+BWD_SEM_BLOCK = 64   # kBwdBlockM in cc/bwd/params.h
+
+
+def bwd_kernel_available(dtype, head_dim) -> bool:
+  """True iff ``jax_fa3_bwd`` was compiled for (dtype, head_dim)."""
+  return _BWD_KERNEL and (np.dtype(dtype).name,
+                          int(head_dim)) in _native.compiled_bwd_configs()
+
+
+def _bwd_kernel_call(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale,
+                     softcap, window_left, window_right, deterministic):
+  """The backward custom call; its fp32/int32 scratch comes from XLA as extra
+  outputs (dQ accumulator, delta, base-2 LSE, semaphores) and is dropped."""
+  B, T, N, H = q.shape
+  t_pad = -(-T // BWD_ROW_PAD) * BWD_ROW_PAD
+  f32 = jnp.float32
+  shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((B, N, t_pad, H), f32),
+            jax.ShapeDtypeStruct((B, N, t_pad), f32),
+            jax.ShapeDtypeStruct((B, N, t_pad), f32),
+            jax.ShapeDtypeStruct((B, N, t_pad // BWD_SEM_BLOCK), jnp.int32))
+  res = jax.ffi.ffi_call(BWD_TARGET, shapes)(
+      q, k, v, out, lse, dout, q_lens, kv_lens, scale=np.float32(scale),
+      softcap=np.float32(softcap), window_left=np.int32(window_left),
+      window_right=np.int32(window_right),
+      deterministic=np.int32(bool(deterministic)))
+  return res[:3]
+
+
+_bwd_kernel_lowering = mlir.lower_fun(_bwd_kernel_call, multiple_results=True)
+_bwd_reference_lowering = mlir.lower_fun(_bwd_impl, multiple_results=True)
+
+
+def _bwd_cuda_lowering(ctx, *args, **params):
+  # Per configuration: a (dtype, head dim) without a compiled backward kernel
+  # differentiates through the reference (documented in the README table).
+  q_aval = ctx.avals_in[0]
+  if bwd_kernel_available(q_aval.dtype, q_aval.shape[-1]):
+    return _bwd_kernel_lowering(ctx, *args, **params)
+  return _bwd_reference_lowering(ctx, *args, **params)
+
+
 # CUDA: the FFI custom calls.
 mlir.register_lowering(fa3_fwd_p, _ffi_rule(FWD_TARGET), platform="cuda")
-if _BWD_KERNEL:
-  mlir.register_lowering(fa3_bwd_p, _ffi_rule(BWD_TARGET), platform="cuda")
+mlir.register_lowering(fa3_bwd_p, _bwd_cuda_lowering, platform="cuda")
 
 
 # ------------------------------------------------------------------ batching
@@ -154,31 +208,34 @@ batching.primitive_batchers[fa3_bwd_p] = _batch_rule(fa3_bwd_p)
 
 
 # ---------------------------------------------------------------- custom_vjp
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def fa3_attention(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-                  window_right):
+                  window_right, deterministic=False):
   """Differentiable kernel attention returning ``(out, lse)``.
 
   ``q_lens``/``kv_lens`` must be ``int32[B]`` arrays (not None).  The ``lse``
   output is treated as non-differentiable (its cotangent is ignored).
+  ``deterministic`` only affects the backward (fixed dQ reduction order).
   """
   return fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap,
                  window_left=window_left, window_right=window_right)
 
 
 def _vjp_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-             window_right):
+             window_right, deterministic=False):
   out, lse = fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap,
                      window_left=window_left, window_right=window_right)
   return (out, lse), (q, k, v, out, lse, q_lens, kv_lens)
 
 
-def _vjp_bwd(scale, softcap, window_left, window_right, res, cts):
+def _vjp_bwd(scale, softcap, window_left, window_right, deterministic, res,
+             cts):
   q, k, v, out, lse, q_lens, kv_lens = res
   dout, _ = cts
   dq, dk, dv = fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype), q_lens,
                        kv_lens, scale=scale, softcap=softcap,
-                       window_left=window_left, window_right=window_right)
+                       window_left=window_left, window_right=window_right,
+                       deterministic=deterministic)
   return dq, dk, dv, None, None
 
 

@@ -63,6 +63,36 @@ def _grouped_bm(t, n_heads, n_kv, s_pad):
   return t
 
 
+def _vma(x):
+  """The manual mesh axes ``x`` varies over (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  v = getattr(aval, "vma", None)  # jax >= 0.11 spelling
+  if v is None:  # jax 0.10: aval.manual_axis_type.varying
+    v = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return frozenset(v or ())
+
+
+def _varying_like(tree, *refs):
+  """Types ``tree`` as varying over the manual mesh axes of ``refs``.
+
+  Inside ``shard_map`` (``check_vma=True``) a scan carry must have the same
+  varying axes as the per-shard values it is combined with; fresh constants
+  have none.  No-op outside ``shard_map``.
+  """
+  vma = set()
+  for r in refs:
+    if r is not None:
+      vma |= _vma(r)
+  if not vma or not hasattr(lax, "pcast"):
+    return tree
+  axes = tuple(sorted(vma, key=str))
+
+  def cast(x):
+    missing = tuple(a for a in axes if a not in _vma(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+  return jax.tree.map(cast, tree)
+
+
 def _chunk(t, start, bk):
   if t is None or t.shape[-1] == 1:
     return t
@@ -172,6 +202,7 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   init = (jnp.full((B, K, G, T), -jnp.inf, _F32),
           jnp.zeros((B, K, G, T), _F32),
           jnp.zeros((B, T, K, G, H), _F32))
+  init = _varying_like(init, q, k, v, q_lens, kv_lens, bias, mask)
   (m, l, acc), _ = lax.scan(body, init, jnp.arange(st.n_chunks))
   has = l > 0
   l_safe = jnp.where(has, l, 1.0)
@@ -231,7 +262,8 @@ def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
 
   db0 = (jnp.zeros(bshape[:4] + (1,), _F32)
          if bshape is not None and not bias_full_s else jnp.zeros((), _F32))
-  init = (jnp.zeros((B, T, K, G, H), _F32), db0)
+  init = _varying_like((jnp.zeros((B, T, K, G, H), _F32), db0), q, k, v,
+                       out, lse, dout, q_lens, kv_lens, bias, mask)
   (dq, db_acc), (dk, dv, db_chunks) = lax.scan(body, init,
                                                jnp.arange(st.n_chunks))
 

@@ -13,19 +13,69 @@ rc=0
 for stage in "$@"; do
   echo "=== $stage ==="
   case "$stage" in
-    demo) python3 -m jax_fa3.demo 2>&1 | tee "$OUT/demo.log" ;;
+    build)  # on the device (16 cores): kernels + binding for its python3, into jax_fa3/
+      { cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" \
+          -DCUTLASS_INCLUDE_DIR="$PWD/.carry/cutlass/include" ${BUILD_CMAKE_ARGS:-} \
+        && ninja -C build-dev -j"$(nproc)" \
+        && cp build-dev/libjax_fa3_kernels.so build-dev/_jax_fa3*.so jax_fa3/; } > "$OUT/build.log" 2>&1
+      tail -5 "$OUT/build.log"; grep -iE "error|spill" "$OUT/build.log" | head -20 ;;
+    demo) python3 -m jax_fa3.demo --plot "$OUT/demo_loss.png" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" ;;  # DEMO_ARGS="--attention fa3,cudnn"
     smoke) python3 scripts/smoke.py 2>&1 | tee "$OUT/smoke.log" ;;
-    tests) python3 -m pytest -q -x -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    tests) python3 -m pytest -q -m gpu tests ${TEST_ARGS:-} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    gputests)  # each GPU test file on its own, time-boxed (a hung kernel costs one file, not the run)
+      for f in ${GPU_TEST_FILES:-test_gpu_forward test_gpu_backward test_gpu_fp8 test_sharding}; do
+        timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -m gpu "tests/$f.py" -p no:cacheprovider --maxfail=15 \
+          ${TEST_ARGS:-} > "$OUT/t_$f.log" 2>&1
+        echo "$f rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/t_$f.log" | head -${TEST_LINES:-12}
+      done ;;
     alltests) python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$OUT/alltests.log" | tail -40 ;;
-    sanitize)
-      for tool in memcheck racecheck; do
-        XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool $tool --kernel-name kns=fwd_kernel \
-          python3 scripts/smoke.py --quick --hdims 64,128,256 --dtypes bfloat16 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
+    build_fwd)  # forward kernels + fwd_check only (scripts/build_fwd_check.sh), no CMake
+      B=build-fwdcheck bash scripts/build_fwd_check.sh > "$OUT/build_fwd.log" 2>&1; tail -3 "$OUT/build_fwd.log"
+      export CHECK_BIN=build-fwdcheck/jax_fa3_fwd_check ;;
+    check)  # kernels vs a float64 host reference, without XLA (cc/tools/fwd_check.cc)
+      { ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --hdims 64,96,128,192,256 && ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --dtype fp16 --hdims 64,128,256; } \
+        2>&1 | tee "$OUT/check.log" | grep -E "FAIL|PASSED|FAILED" ;;
+    sanitize)  # XLA-free driver: sanitizer runs take seconds, not an XLA compile per shape
+      for tool in memcheck racecheck synccheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --hdims 64,128,256 \
+          > "$OUT/sanitize_$tool.log" 2>&1
+        echo "$tool rc=$?"; tail -3 "$OUT/sanitize_$tool.log"
+      done ;;
+    timing)  # kernel-only timings (CUDA events), bf16, 16k tokens, hidden 2048; causal A/B knobs
+      for d in ${TIMING_HDIMS:-128}; do for t in 512 1024 2048 4096 8192 16384; do
+        ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --time $((16384 / t)),$t,$((2048 / d)),$d,0
+        for knob in ${TIMING_KNOBS:-JAX_FA3_CAUSAL_ORDER=pairs JAX_FA3_CAUSAL_ORDER=mmajor JAX_FA3_CAUSAL_PINGPONG=0}; do
+          echo -n "$knob "; env $knob ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --time $((16384 / t)),$t,$((2048 / d)),$d,1
+        done
+      done; done 2>&1 | tee "$OUT/timing.log" ;;
+    profile)  # ncu on PROFILE_SHAPES (B,T,N,D,CAUSAL ...), one launch each
+      for shape in ${PROFILE_SHAPES:-8,2048,16,128,1 8,2048,16,128,0}; do
+        tag=$(echo "$shape" | tr , _)
+        ncu --clock-control none --set full -k regex:fwd_kernel --launch-skip 3 --launch-count 1 \
+          -o "$OUT/prof_$tag" -f ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --time "$shape" --iters 1 > "$OUT/prof_$tag.log" 2>&1
+        ncu --import "$OUT/prof_$tag.ncu-rep" --page details > "$OUT/prof_$tag.txt" 2>&1
+        ncu --import "$OUT/prof_$tag.ncu-rep" --page raw --csv > "$OUT/prof_${tag}_raw.csv" 2>&1
+        ncu --import "$OUT/prof_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/prof_${tag}_sass.csv" 2>&1
+        rm -f "$OUT/prof_$tag.ncu-rep"
+        grep -E "Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" "$OUT/prof_$tag.txt" | head -12
       done ;;
     ablation) python3 benchmarks/ablation.py --out "$OUT/ablation" 2>&1 | tee "$OUT/ablation.log" | tail -20 ;;
     bench) python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
+    fp8check)  # FP8 pre-pass + kernel vs host float64, without XLA (cc/tools/fp8_check.cc); then timings
+      { timeout 90 build-dev/jax_fa3_fp8_check; for d in 128 256; do for c in 0 1; do
+          timeout 30 build-dev/jax_fa3_fp8_check --time $((16384 / 8192)),8192,$((2048 / d)),$d,$c; done; done; } 2>&1 | tee "$OUT/fp8_check.log" | tail -30 ;;
+    fp8sanitize)
+      for tool in memcheck racecheck synccheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 build-dev/jax_fa3_fp8_check --hdims 64,128,256 \
+          > "$OUT/fp8_sanitize_$tool.log" 2>&1
+        echo "$tool rc=$?"; tail -3 "$OUT/fp8_sanitize_$tool.log"
+      done ;;
+    fp8acc) python3 benchmarks/fp8_accuracy.py --json "$OUT/fp8_accuracy.json" 2>&1 | tee "$OUT/fp8_accuracy.log" | tail -20 ;;  # issue 5 table
+    fp8bench) python3 benchmarks/fp8_bench.py ${FP8_BENCH_ARGS:-} 2>&1 | tee "$OUT/fp8_bench.log" | tail -70 ;;  # issue 5 speed
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done
+# Few files come back from the device: pack everything but the tarball itself.
+(cd "$OUT" && files=$(ls | grep -v '\.tgz$') && [ -n "$files" ] && tar czf "logs_$(date +%H%M%S).tgz" $files && rm -rf $files)
 exit $rc

@@ -4,6 +4,14 @@ GPU tests need the compiled kernels *and* an sm_90 device; anywhere else (the
 CPU-only CI machine) they are skipped, so CI proves build + JAX layer + the
 reference path while the GPU truth is proven on the H200.
 """
+import os
+
+# 8 virtual CPU devices for the sharding tests (test_sharding.py); this has to
+# happen before JAX creates its CPU backend and affects only the CPU platform.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
 import pytest
 
 

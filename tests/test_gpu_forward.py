@@ -35,7 +35,8 @@ Each kernel check is ONE ``jax.jit`` call; jitted functions are cached per
 static configuration (:func:`_fa3_jit`), so identical static configs compile
 once per shape.  Eager == jit (bitwise) is checked by one dedicated test.
 
-Gradients (the backward still runs the pure-JAX blockwise reference) use
+Gradients (the backward kernel where compiled, else the reference backward;
+tests/test_gpu_backward.py has the backward's own sweep) use
 ``max|d - d_ref64| <= 3 * max|d_same - d_ref64| + atol`` with
 ``atol = GRAD_ATOL + 2 * roundoff(d_ref64 in the input dtype)``; ``d_ref64``
 and ``d_same`` (JAX autodiff of jax.nn's xla path in the input dtype, emulated)

@@ -135,8 +135,9 @@ def test_cuda_lowering_is_ffi_custom_call():
   assert re.search(r"\(tensor<2x9x4x8xbf16>, tensor<2x13x2x8xbf16>, "
                    r"tensor<2x13x2x8xbf16>, tensor<2xi32>, tensor<2xi32>\) -> "
                    r"\(tensor<2x9x4x8xbf16>, tensor<2x4x9xf32>\)", c), c
-  # backward: reference until the bwd kernel lands (_BWD_KERNEL switch)
+  # backward: the kernel where one was compiled for (dtype, head dim), else
+  # the reference (tests/test_backward_dispatch.py covers both sides)
   ghlo = _cuda_hlo(jax.grad(lambda q: jnp.sum(
       _attn(q, k, v, ql, kl)[0].astype(jnp.float32))), q)
   assert "jax_fa3_fwd" in ghlo
-  assert ("jax_fa3_bwd" in ghlo) == P._BWD_KERNEL
+  assert ("jax_fa3_bwd" in ghlo) == P.bwd_kernel_available(q.dtype, H)

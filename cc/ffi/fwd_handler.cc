@@ -26,6 +26,20 @@ const char* fwd_variant() {
   return variant;
 }
 
+// Benchmark knobs (A/B runs in one build); defaults are the measured best.
+void apply_env_knobs(FwdParams& p) {
+  static const int order = [] {
+    const char* v = std::getenv("JAX_FA3_CAUSAL_ORDER");
+    return (v && std::strcmp(v, "mmajor") == 0) ? 1 : 0;
+  }();
+  static const bool pingpong = [] {
+    const char* v = std::getenv("JAX_FA3_CAUSAL_PINGPONG");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  p.causal_order = order;
+  p.pingpong_masked = pingpong;
+}
+
 // Cached per device (a process may drive several GPUs of different kinds).
 int sm_count() {
   constexpr int kMaxDevices = 64;
@@ -79,6 +93,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.window_left = (window_left < 0 || window_left >= p.t) ? -1 : window_left;
   p.window_right = (window_right < 0 || window_right >= p.s) ? -1 : window_right;
   p.num_sms = sm_count();
+  apply_env_knobs(p);
 
   for (int i = 0; i < kNumFwdKernels; ++i) {
     const FwdKernelEntry& e = kFwdKernels[i];
@@ -122,6 +137,21 @@ __attribute__((visibility("default"))) void* jax_fa3_fwd_handler() {
   return reinterpret_cast<void*>(JaxFa3Fwd);
 }
 __attribute__((visibility("default"))) int jax_fa3_num_fwd_kernels() { return jax_fa3::kNumFwdKernels; }
+// Direct launch without XLA (cc/tools/fwd_check.cc: compute-sanitizer runs).
+// Returns 0, a cudaError_t, or -1 when (dtype, head dim, variant) is not compiled.
+__attribute__((visibility("default"))) int jax_fa3_fwd_launch(const jax_fa3::FwdParams* p, int dtype,
+                                                              const char* variant, cudaStream_t stream) {
+  jax_fa3::FwdParams params = *p;
+  if (params.num_sms == 0) { params.num_sms = jax_fa3::sm_count(); }
+  jax_fa3::apply_env_knobs(params);
+  for (int i = 0; i < jax_fa3::kNumFwdKernels; ++i) {
+    const jax_fa3::FwdKernelEntry& e = jax_fa3::kFwdKernels[i];
+    if (int(e.dtype) == dtype && e.head_dim == params.d && std::strcmp(e.variant, variant) == 0) {
+      return int(e.launch(params, stream));
+    }
+  }
+  return -1;
+}
 // Reports only default-variant kernels: those are what Python may dispatch to.
 __attribute__((visibility("default"))) int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim) {
   *dtype = int(jax_fa3::kFwdKernels[i].dtype);

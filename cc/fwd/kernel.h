@@ -97,7 +97,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     Mainloop mainloop;
     typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup,
-                                         p.window_left < 0 && p.window_right < 0};
+                                         p.pingpong_masked || (p.window_left < 0 && p.window_right < 0)};
     pingpong.init();
     auto state_q = typename PipelineQ::PipelineState{};
     auto state_kv = typename PipelineKV::PipelineState{};

@@ -23,6 +23,9 @@ struct FwdParams {
   int window_left = -1;    // key j visible from query i iff j >= i - left (-1: unbounded)
   int window_right = -1;   //                          and j <= i + right (-1: unbounded)
   int num_sms = 0;
+  // Benchmark knobs (env, read by the handler: JAX_FA3_CAUSAL_ORDER, JAX_FA3_CAUSAL_PINGPONG).
+  int causal_order = 0;         // persistent order for causal-like problems: 0 pairs, 1 m-major
+  bool pingpong_masked = true;  // ping-pong also when a window/causal mask is set
 };
 
 // One entry per compiled (dtype, head dim) instantiation.

@@ -1,8 +1,9 @@
-// Inter-warpgroup ping-pong: the two consumer warpgroups take turns issuing
-// their WGMMAs, so that while one warpgroup's GEMMs occupy the tensor cores the
-// other runs its softmax (FA3 paper, Sec. 3.1). Two named barriers hand the
-// turn back and forth; every GEMM "round" is bracketed by wait_turn/pass_turn,
-// and both warpgroups run the same number of rounds per tile.
+// Inter-warpgroup ping-pong: the consumer warpgroups take turns issuing their
+// WGMMAs, so that while one warpgroup's GEMMs occupy the tensor cores the
+// others run their softmax (FA3 paper, Sec. 3.1). One named barrier per
+// warpgroup passes the turn around the ring 0 -> 1 -> ... -> 0; every GEMM
+// "round" is bracketed by wait_turn/pass_turn, and all warpgroups run the same
+// number of rounds per tile (they share the tile's K/V blocks).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -11,27 +12,33 @@ namespace jax_fa3 {
 
 template <bool kEnabled, int kNumMmaThreads>
 struct WarpGroupPingPong {
+  static constexpr int kNumWG = kNumMmaThreads / cutlass::NumThreadsPerWarpGroup;
+  // Each barrier joins the passing and the waiting warpgroup.
+  static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
   // User ids (NamedBarrier adds CUTLASS's reserved offset); 0 is the epilogue's.
   static constexpr uint32_t kBarrierBase = 1;
-  int wg;       // consumer warpgroup index, 0 or 1
-  bool active;  // run-time switch: off for causal/windowed problems, where the
-                // forced alternation was measured slower (d128 8k causal: 556
-                // TFLOP/s without, 519 with; non-causal: 642 without, 658 with)
+  int wg;       // consumer warpgroup index, 0 .. kNumWG - 1
+  bool active;  // run-time switch (JAX_FA3_CAUSAL_PINGPONG=0 turns it off for
+                // masked problems). With the m-major causal order it cost 7%
+                // (d128 8k: 556 -> 519 TFLOP/s); with the paired order it gains
+                // 1-7% (d128 causal 512: 224 -> 239, 16k: 662 -> 666)
 
-  // Called once per CTA: warpgroup 1 hands the first turn to warpgroup 0.
+  // Called once per CTA: the last warpgroup hands the first turn to warpgroup 0.
   CUTE_DEVICE void init() const {
     if constexpr (kEnabled) {
-      if (active && wg == 1) { cutlass::arch::NamedBarrier::arrive(kNumMmaThreads, kBarrierBase + 0); }
+      if (active && wg == kNumWG - 1) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierBase + 0); }
     }
   }
   CUTE_DEVICE void wait_turn() const {
     if constexpr (kEnabled) {
-      if (active) { cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierBase + wg); }
+      if (active) { cutlass::arch::NamedBarrier::sync(kBarrierThreads, kBarrierBase + wg); }
     }
   }
   CUTE_DEVICE void pass_turn() const {
     if constexpr (kEnabled) {
-      if (active) { cutlass::arch::NamedBarrier::arrive(kNumMmaThreads, kBarrierBase + (1 - wg)); }
+      if (active) {
+        cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierBase + (wg + 1) % kNumWG);
+      }
     }
   }
 };

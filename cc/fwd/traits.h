@@ -21,7 +21,10 @@ using namespace cute;
 // 128-register O accumulator) that spills ~200 bytes in the main loop, yet it
 // was still measured faster there (d256 8k: 737 vs 637 TFLOP/s without).
 template <int HeadDim> struct FwdTileConfig;
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
+#ifndef JAX_FA3_D64_BLOCK_M  // build-time A/B knob: 192 = three consumer warpgroups
+#define JAX_FA3_D64_BLOCK_M 128
+#endif
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = JAX_FA3_D64_BLOCK_M, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = true; };
@@ -41,8 +44,8 @@ struct FwdTraits {
   static constexpr int kBlockN = FwdTileConfig<HeadDim>::kBlockN;
   static constexpr int kStages = FwdTileConfig<HeadDim>::kStages;
 
-  // One producer warpgroup (only one warp of it issues TMA) and two consumer
-  // warpgroups, each owning 64 rows of the 128-row Q tile.
+  // One producer warpgroup (only one warp of it issues TMA) and kBlockM / 64
+  // consumer warpgroups, each owning 64 rows of the Q tile.
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
@@ -51,8 +54,10 @@ struct FwdTraits {
   // (C - 168) * 256. P = 32 keeps the producer's TMA loop spill-free; head dims
   // >= 192 (a 64 x d fp32 O accumulator of 96+ registers) take P = 24, C = 240
   // and accept one producer spill to relieve the consumers.
-  static constexpr int kProducerRegs = HeadDim >= 192 ? 24 : 32;
-  static constexpr int kConsumerRegs = HeadDim >= 192 ? 240 : 232;
+  // Three consumer warpgroups (512 threads, 128 regs each at launch) take
+  // P = 24, C = 160: 24 * 128 + 160 * 384 <= 65536.
+  static constexpr int kProducerRegs = (kNumMmaWarpGroups == 3 || HeadDim >= 192) ? 24 : 32;
+  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 3 ? 160 : HeadDim >= 192 ? 240 : 232;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;

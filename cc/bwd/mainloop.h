@@ -1,0 +1,261 @@
+// Consumer mainloop of the backward: for each query block that sees the CTA's
+// key block, recompute P^T from S^T = K Q^T and the forward's LSE, form
+// dS^T = P^T o (dP^T - delta), accumulate dV and dK in registers and add this
+// key block's share of dQ = dS K into the fp32 dQ accumulator.
+//
+// dS is staged in shared memory for the dQ GEMM, which needs all kBlockN keys
+// (both warpgroups' rows) as its reduction dimension; two named barriers
+// order the writes against the other warpgroup's reads.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include "traits.h"
+#include "mask.h"
+#include "../fwd/utils.h"
+
+namespace jax_fa3 {
+
+template <class Traits>
+struct BwdMainloop {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kNumMmaThreads = Traits::kNumMmaThreads;
+  static constexpr int kDqChunks = Traits::kDqChunks;
+  static constexpr int kDqCols = kHeadDim / kDqChunks;  // dQ columns per chunk
+  using TileQc = Shape<Int<kBlockM>, Int<kDqCols>>;
+  using Mask = KeyBlockMask<kBlockM, kBlockN>;
+  // Named barrier ids (NamedBarrier adds CUTLASS's reserved offset).
+  static constexpr uint32_t kBarrierdSFree = 0, kBarrierdSReady = 1, kBarrierTurn = 2,
+                            kBarrierdQFree = 3, kBarrierdQReady = 4;
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmaKV mma_kv;
+  typename Traits::TiledMmaQ mma_q;
+
+  // Deterministic dQ: key block j adds to query block m only after the key
+  // blocks before it have (turn = j - first key block of m), so the fp32 sum
+  // is formed in one fixed order.
+  CUTE_DEVICE static void spin_until(const int* sem, int turn) {
+    int v;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
+      if (v == turn) { break; }
+      __nanosleep(40);
+    }
+  }
+  CUTE_DEVICE static void wait_turn(const int* sem, int turn, int mma_tid) {
+    if (mma_tid == 0) { spin_until(sem, turn); }
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierTurn);
+  }
+  CUTE_DEVICE static void pass_turn(int* sem, int mma_tid) {
+    __threadfence();  // this CTA's adds are visible before the next key block's
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierTurn);
+    if (mma_tid == 0) { atomicAdd(sem, 1); }
+  }
+
+  // Softcap is a template parameter: the plain path then keeps neither the
+  // raw scores nor the tanh-derivative selects live (registers are tight).
+  template <bool Softcap, class PipelineQdO, class StateQdO, class TKV>
+  CUTE_DEVICE void run_head(const BwdParams& p, typename Traits::SharedStorage& smem, int mma_tid,
+                            const Mask& mask, int n_block, int head, int batch,
+                            PipelineQdO& pipe, StateQdO& state, TKV& acc_dk, TKV& acc_dv) {
+    using TileSdP = typename Traits::TileSdP;
+    using TileQ = typename Traits::TileQ;
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
+
+    auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
+    auto thr_kv = mma_kv.get_thread_slice(mma_tid);
+    auto thr_q = mma_q.get_thread_slice(mma_tid);
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, M, K)
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, N, K, stage)
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);  // (MMA, d, m, stage)
+    Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
+    Tensor tQrdS = thr_q.partition_fragment_A(sdS);      // (MMA, m, n)
+    // B operand of dQ chunk i: columns [i * kDqCols, (i + 1) * kDqCols) of K.
+    auto tQrKt = [&](int chunk) {
+      return thr_q.partition_fragment_B(
+          local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(chunk, _0{})));
+    };
+    Tensor tSsdS = thr_sdp.partition_C(sdSt);            // dS^T in the accumulator's layout
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
+    Tensor cQ = thr_q.partition_C(make_identity_tensor(TileQc{}));
+
+    // With a softcap the forward's scores are cap * x, x = tanh(q.k * scale / cap);
+    // otherwise scale * x with x = q.k. dS is formed w.r.t. x; the remaining
+    // factor `scale` is applied to dK in the epilogue and to dQ in the postprocess.
+    constexpr bool softcap = Softcap;
+    const float raw_to_x = softcap ? p.scale / p.softcap : 1.f;
+    const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
+    const int64_t row_base = (int64_t(batch) * p.n + head) * p.t_pad;
+    const int num_m_sem = p.t_pad / kBlockM;
+
+    for (int m_block = mask.m_block_min; m_block < mask.m_block_max; ++m_block) {
+      Tensor tSrS = partition_fragment_C(mma_sdp, TileSdP{});
+      Tensor tSrdP = partition_fragment_C(mma_sdp, TileSdP{});
+      pipe.consumer_wait(state);
+      warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), tSrS);
+      warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), tSrdP);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tSrdP);
+
+      if constexpr (softcap) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
+      }
+      if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block); }
+      {
+        Tensor s = as_rowcol(tSrS);
+        Tensor dp = as_rowcol(tSrdP);
+        Tensor c = as_rowcol(cS);
+        const float* lse_s = smem.lse.data() + state.index() * kBlockM;
+        const float* delta_s = smem.delta.data() + state.index() * kBlockM;
+        CUTLASS_PRAGMA_UNROLL
+        for (int col = 0; col < size<1>(s); ++col) {
+          const int row = get<1>(c(0, col));
+          const float lse2 = lse_s[row];  // +inf on rows that see nothing: P = 0
+          const float delta = delta_s[row];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(s); ++r) {
+            const float x = s(r, col);
+            const float pr = exp2f(x * scale_log2 - lse2);
+            float ds = pr * (dp(r, col) - delta);
+            // d tanh = 1 - x^2; masked entries (x = -inf, P = 0) must stay 0, not NaN.
+            if constexpr (softcap) { ds = pr > 0.f ? ds * (1.f - x * x) : 0.f; }
+            s(r, col) = pr;
+            dp(r, col) = ds;
+          }
+        }
+      }
+      Tensor rP = make_tensor<Element>(tSrS.layout());
+      convert_into(tSrS, rP);
+      Tensor rdS = make_tensor<Element>(tSrdP.layout());
+      convert_into(tSrdP, rdS);
+      // dQ = dS K in kDqChunks column chunks (fewer live registers at large d);
+      // the first chunk is issued with dV/dK, each one then goes to the staging
+      // buffer (or atomics) before the next.
+      Tensor acc_dq = partition_fragment_C(mma_q, TileQc{});
+      if constexpr (!Traits::kStagePdS) {
+        // The same registers as RS-WGMMA A operands (identical element order).
+        Tensor tKVrP = make_tensor(rP.data(), acc_to_a_layout(rP.layout()));
+        Tensor tKVrdS = make_tensor(rdS.data(), acc_to_a_layout(rdS.layout()));
+
+        warpgroup_gemm<false, -1>(mma_kv, tKVrP, tKVrdOt(_, _, _, state.index()), acc_dv);
+
+        // Stage dS: the other warpgroup's dQ GEMM of the previous block is done
+        // reading (FREE), and all rows are written before any dQ GEMM (READY).
+        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
+        copy(rdS, tSsdS);
+        cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
+        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSReady);
+
+        warpgroup_gemm<false, -1>(mma_kv, tKVrdS, tKVrQt(_, _, _, state.index()), acc_dk);
+        warpgroup_gemm<true, -1>(mma_q, tQrdS, tQrKt(0), acc_dq);
+        warpgroup_wait<0>();
+        // P and dS fed RS WGMMAs: keep their registers live until those retired.
+        warpgroup_fence_operand(tKVrP);
+        warpgroup_fence_operand(tKVrdS);
+      } else {
+        // Each warpgroup holds a column slice of P^T / dS^T but needs all of
+        // it: stage both (same FREE / READY protocol as dS above).
+        Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});
+        Tensor tKVsP = thr_kv.partition_fragment_A(sPt);     // (MMA, n, m) descriptors
+        Tensor tKVsdS = thr_kv.partition_fragment_A(sdSt);
+        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
+        copy(rP, thr_sdp.partition_C(sPt));
+        copy(rdS, tSsdS);
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSReady);
+        warpgroup_gemm<false, -1>(mma_kv, tKVsP, tKVrdOt(_, _, _, state.index()), acc_dv);
+        warpgroup_gemm<false, -1>(mma_kv, tKVsdS, tKVrQt(_, _, _, state.index()), acc_dk);
+        warpgroup_gemm<true, -1>(mma_q, tQrdS, tQrKt(0), acc_dq);
+        warpgroup_wait<0>();
+      }
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(acc_dq);
+      pipe.consumer_release(state);
+      ++state;
+
+      // dQ(m block) += this key block's share, reduced in L2.
+      int* sem = p.semaphore + (int64_t(batch) * p.n + head) * num_m_sem + m_block;
+      const int turn = n_block - mask.first_key_block(m_block);
+      float* dq = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim;
+      Tensor c = as_rowcol(cQ);
+      CUTLASS_PRAGMA_UNROLL
+      for (int chunk = 0; chunk < kDqChunks; ++chunk) {
+        if (chunk > 0) {
+          warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
+        }
+        Tensor a = as_rowcol(acc_dq);
+        const int col0 = chunk * kDqCols;
+        if (!p.dq_atomic) {
+          // Stage the 64 x d fp32 block in smem (its rows are contiguous in the
+          // accumulator too) and let one thread add it with a bulk reduce; the
+          // other threads move on. The buffer is reused once that reduce has
+          // read it (bulk-group wait by the issuing thread, then FREE).
+          if (chunk == 0) {
+            if (mma_tid == 0) { tma_store_wait<0>(); }
+            cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQFree);
+          }
+          float* sdq = smem.dq.data();
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(a); ++r) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int col = 0; col < size<1>(a); ++col) {
+              sdq[get<0>(c(r, col)) * kHeadDim + col0 + get<1>(c(r, col))] = a(r, col);
+            }
+          }
+        } else {
+          if (chunk == 0 && p.deterministic) { wait_turn(sem, turn, mma_tid); }
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(a); ++r) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int col = 0; col < size<1>(a); ++col) {
+              atomicAdd(dq + get<0>(c(r, col)) * kHeadDim + col0 + get<1>(c(r, col)), a(r, col));
+            }
+          }
+        }
+      }
+      if (!p.dq_atomic) {
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQReady);
+        if (mma_tid == 0) {
+          if (p.deterministic) {
+            spin_until(sem, turn);
+            asm volatile("fence.proxy.async.global;" ::: "memory");  // acquire -> async-proxy adds
+          }
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                       :: "l"(dq), "r"(cute::cast_smem_ptr_to_uint(smem.dq.data())),
+                          "r"(int(kBlockM * kHeadDim * sizeof(float)))
+                       : "memory");
+          tma_store_arrive();
+          if (p.deterministic) {
+            // Complete (not only read out) before handing the turn on.
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+            __threadfence();
+            atomicAdd(sem, 1);
+          }
+        }
+      } else if (p.deterministic) {
+        pass_turn(sem, mma_tid);
+      }
+    }
+  }
+};
+
+}  // namespace jax_fa3

@@ -1,0 +1,65 @@
+// Which query blocks see a key block, with the forward's visibility rule
+// (cc/fwd/mask.h): key j visible from query i iff i < q_len, j < kv_len,
+// j >= i - left (left >= 0) and j <= i + right (right >= 0). The producer and
+// the consumers derive the same query-block range from it.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include "../fwd/utils.h"
+
+namespace jax_fa3 {
+
+template <int kBlockM, int kBlockN>
+struct KeyBlockMask {
+  int n_start, q_len, kv_len, left, right;
+  int m_block_min, m_block_max;  // query blocks to visit: [min, max), ascending
+
+  CUTE_DEVICE KeyBlockMask(int n_block, int q_len_, int kv_len_, int left_, int right_)
+      : q_len(q_len_), kv_len(kv_len_), left(left_), right(right_) {
+    n_start = n_block * kBlockN;
+    const int key_last = min(n_start + kBlockN, kv_len) - 1;
+    int row_lo = 0, row_hi = q_len;  // query rows [lo, hi) that may see a key of the block
+    if (right >= 0) { row_lo = max(0, n_start - right); }
+    if (left >= 0) { row_hi = min(row_hi, key_last + left + 1); }
+    if (n_start >= kv_len || row_hi <= row_lo) {
+      m_block_min = m_block_max = 0;
+    } else {
+      m_block_min = row_lo / kBlockM;
+      m_block_max = (row_hi + kBlockM - 1) / kBlockM;
+    }
+  }
+
+  // Deterministic dQ: the key blocks that visit query block m are contiguous,
+  // starting at this one (the forward's first key block of that row block).
+  CUTE_DEVICE int first_key_block(int m_block) const {
+    return left >= 0 ? max(0, m_block * kBlockM - left) / kBlockN : 0;
+  }
+
+  CUTE_DEVICE bool needs_mask(int m_block) const {
+    const int m_first = m_block * kBlockM, m_last = m_first + kBlockM - 1;
+    const int n_last = n_start + kBlockN - 1;
+    return n_last >= kv_len || m_last >= q_len ||
+           (right >= 0 && n_last > m_first + right) ||
+           (left >= 0 && n_start < m_last - left);
+  }
+
+  // scores: the S^T accumulator (rows = keys, cols = queries); coords: its
+  // identity partition (tile-local (key, query)).
+  template <class TS, class TC>
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int m_block) const {
+    Tensor s = as_rowcol(scores);
+    Tensor c = as_rowcol(coords);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      const int j = n_start + get<0>(c(r, 0));
+      CUTLASS_PRAGMA_UNROLL
+      for (int col = 0; col < size<1>(s); ++col) {
+        const int i = m_block * kBlockM + get<1>(c(r, col));
+        bool visible = i < q_len && j < kv_len && (left < 0 || j >= i - left) && (right < 0 || j <= i + right);
+        if (!visible) { s(r, col) = -INFINITY; }
+      }
+    }
+  }
+};
+
+}  // namespace jax_fa3

@@ -1,0 +1,82 @@
+// Producer: one elected thread issues every TMA load of the CTA. K and V of
+// the key block arrive once (one barrier for both); Q and dO of each visited
+// query block stream through a kStages-deep ring, Q and dO sharing a stage
+// barrier since every consumer GEMM of a block needs one of them first and
+// both soon after; the block's LSE and delta rows (fp32 scratch written by the
+// preprocess) ride on the same barrier as 1-D bulk copies. With GQA the CTA
+// walks all query heads of its KV head.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include "traits.h"
+#include "mask.h"
+
+namespace jax_fa3 {
+
+template <class Traits, class KernelParams>
+struct BwdProducer {
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+
+  const KernelParams& params;
+  typename Traits::SharedStorage& smem;
+
+  template <class PipelineKV, class PipelineQdO>
+  CUTE_DEVICE void run(int n_block, int kv_head, int batch, const KeyBlockMask<kBlockM, kBlockN>& mask,
+                       PipelineKV& pipe_kv, PipelineQdO& pipe_qdo) {
+    const BwdParams& p = params.bwd;
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
+
+    Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.s, Int<kHeadDim>{}, p.kh, p.b));
+    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.s, Int<kHeadDim>{}, p.kh, p.b));
+    Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
+    Tensor mdO = params.tma_do.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
+    Tensor gK = local_tile(mK(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, _0{}));
+    Tensor gV = local_tile(mV(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, _0{}));
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
+    pipe_kv.producer_acquire(state_kv);
+    copy(params.tma_k.with(*pipe_kv.producer_get_barrier(state_kv)), tKgK, tKsK);
+    copy(params.tma_v.with(*pipe_kv.producer_get_barrier(state_kv)), tVgV, tVsV);
+
+    auto state = cutlass::make_producer_start_state<PipelineQdO>();
+    const int group = p.n / p.kh;
+    for (int g = 0; g < group; ++g) {
+      const int head = kv_head * group + g;
+      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(_, _0{}));  // (BM, D, m_blocks)
+      Tensor gdO = local_tile(mdO(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                              make_coord(_, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      for (int m_block = mask.m_block_min; m_block < mask.m_block_max; ++m_block) {
+        pipe_qdo.producer_acquire(state);
+        copy(params.tma_q.with(*pipe_qdo.producer_get_barrier(state)), tQgQ(_, m_block), tQsQ(_, state.index()));
+        copy(params.tma_do.with(*pipe_qdo.producer_get_barrier(state)), tdOgdO(_, m_block),
+             tdOsdO(_, state.index()));
+        const int64_t row = (int64_t(batch) * p.n + head) * p.t_pad + m_block * kBlockM;
+        SM90_BULK_COPY_G2S::copy(p.lse_log2 + row, pipe_qdo.producer_get_barrier(state),
+                                 smem.lse.data() + state.index() * kBlockM, Traits::kBytesRowStats);
+        SM90_BULK_COPY_G2S::copy(p.delta + row, pipe_qdo.producer_get_barrier(state),
+                                 smem.delta.data() + state.index() * kBlockM, Traits::kBytesRowStats);
+        ++state;
+      }
+    }
+    // Do not retire while loads this thread issued could still be landing.
+    pipe_qdo.producer_tail(state);
+  }
+};
+
+}  // namespace jax_fa3

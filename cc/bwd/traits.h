@@ -1,0 +1,174 @@
+// Compile-time shape of one backward instantiation: tiles, shared-memory
+// layouts, the four tiled WGMMAs and the TMA atoms.
+//
+// A CTA owns one block of kBlockN keys (two consumer warpgroups, 64 key rows
+// each) and walks the query blocks of kBlockM rows that see it. Working on the
+// transposed products keeps P and dS in registers as WGMMA A operands:
+//   S^T  = K Q^T   (SS)      dP^T = V dO^T (SS)       [kBlockN x kBlockM]
+//   dV  += P^T dO  (RS, dO read MN-major)             [kBlockN x d]
+//   dK  += dS^T Q  (RS, Q read MN-major)              [kBlockN x d]
+//   dQ   = dS K    (SS, dS staged in smem, K read MN-major; the two warpgroups
+//                   split d)                          [kBlockM x d]
+// Large head dims (kStagePdS, see BwdTileConfig) stage P as well and run dV/dK
+// as SS GEMMs with the warpgroups splitting d; dQ may go in column chunks.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "params.h"
+
+namespace jax_fa3 {
+
+using namespace cute;
+
+// Tile configuration per head dim. Two consumer warpgroups either way.
+//  - kStagePdS = false (d <= 128): kBlockN = 128, the warpgroups split the key
+//    rows; each thread keeps dK and dV (2 x d/2 fp32) and S^T/dP^T in
+//    registers, and P^T/dS^T feed the dV/dK GEMMs straight from registers.
+//  - kStagePdS = true (d >= 192): kBlockN = 64, the warpgroups split the head
+//    dim of dK and dV (2 x d/4 registers) and the query columns of S^T/dP^T;
+//    since a warpgroup's dV/dK slice needs all of P^T/dS^T, both go through
+//    shared memory (SS GEMMs). d256 has room for one Q/dO stage only.
+template <int HeadDim> struct BwdTileConfig;
+template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = kBwdBlockM, kBlockN = 128, kStages = 2; static constexpr bool kStagePdS = false; static constexpr int kDqChunks = 1; };
+template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = kBwdBlockM, kBlockN = 128, kStages = 2; static constexpr bool kStagePdS = false; static constexpr int kDqChunks = 1; };
+template <> struct BwdTileConfig<128> { static constexpr int kBlockM = kBwdBlockM, kBlockN = 128, kStages = 2; static constexpr bool kStagePdS = false; static constexpr int kDqChunks = 1; };
+template <> struct BwdTileConfig<192> { static constexpr int kBlockM = kBwdBlockM, kBlockN = 64,  kStages = 2; static constexpr bool kStagePdS = true; static constexpr int kDqChunks = 1; };
+template <> struct BwdTileConfig<256> { static constexpr int kBlockM = kBwdBlockM, kBlockN = 64,  kStages = 1; static constexpr bool kStagePdS = true; static constexpr int kDqChunks = 2; };
+
+template <class Element_, int HeadDim>
+struct BwdTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BwdTileConfig<HeadDim>::kBlockM;
+  static constexpr int kBlockN = BwdTileConfig<HeadDim>::kBlockN;
+  static constexpr int kStages = BwdTileConfig<HeadDim>::kStages;
+  static constexpr bool kStagePdS = BwdTileConfig<HeadDim>::kStagePdS;
+  static constexpr int kDqChunks = BwdTileConfig<HeadDim>::kDqChunks;
+  static_assert(kBlockM == kBwdBlockM, "semaphore granularity is kBwdBlockM");
+  static_assert(kBwdRowPad % kBlockM == 0);
+
+  static constexpr int kNumMmaWarpGroups = 2;
+  static_assert(kStagePdS || kBlockN == 64 * kNumMmaWarpGroups);
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  // (168 - 24) * 128 registers freed by the producer = (240 - 168) * 256 taken.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using TileSdP = Shape<Int<kBlockN>, Int<kBlockM>>;   // S^T, dP^T
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;   // dK, dV
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;    // dQ
+  using SmemLayoutdQ = Layout<TileQ, Stride<Int<kHeadDim>, _1>>;
+
+  // Register path: warpgroups split the key rows (M) of S^T, dP^T, dK, dV.
+  // Staged path: they split the query columns (N) of S^T, dP^T and the head
+  // dim (N) of dK, dV. Both split the head dim (N) of dQ.
+  using AtomLayoutM = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+  using AtomLayoutN = Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>;
+  using AtomLayoutSdP = std::conditional_t<kStagePdS, AtomLayoutN, AtomLayoutM>;
+  using AtomLayoutKV = std::conditional_t<kStagePdS, AtomLayoutN, AtomLayoutM>;
+  using AtomLayoutQ = AtomLayoutN;
+  static constexpr int kSdPAtomN = kStagePdS ? kBlockM / kNumMmaWarpGroups : kBlockM;
+  static constexpr int kKVAtomN = kStagePdS ? kHeadDim / kNumMmaWarpGroups : kHeadDim;
+
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kSdPAtomN>, Int<kHeadDim>>>(),
+      AtomLayoutSdP{}));
+  using TiledMmaKV = decltype(make_tiled_mma(
+      std::conditional_t<kStagePdS,
+          decltype(GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kKVAtomN>, Int<kBlockM>>,
+                                        GMMA::Major::MN, GMMA::Major::MN>()),
+          decltype(GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kKVAtomN>, Int<kBlockM>>,
+                                        GMMA::Major::K, GMMA::Major::MN>())>{},
+      AtomLayoutKV{}));
+  using TiledMmaQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum,
+                           Shape<_64, Int<kHeadDim / kDqChunks / kNumMmaWarpGroups>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutQ{}));
+
+  // Q and dO: (kBlockM, d, stage), head dim contiguous (as TMA writes them).
+  // Read MN-major (dO^T, Q^T) by the dV/dK GEMMs: on the staged path each
+  // warpgroup's d/2 columns must be whole swizzle atoms (d192: SW64).
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockM>, Int<kKVAtomN>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutdO = SmemLayoutQ;
+  // (d, m, stage) -> Q(m, d, stage): the MN-major B operand of dK += dS^T Q.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutdOt = SmemLayoutQt;
+  // K and V: (kBlockN, d), loaded once per CTA. Read MN-major by the dQ GEMM,
+  // each warpgroup's d/2 columns must be whole swizzle atoms: d = 96 (48 per
+  // warpgroup) takes the 16-element SW32 atom instead of the selector's SW64.
+  using SmemAtomK = std::conditional_t<
+      (kHeadDim / kNumMmaWarpGroups) % 32 != 0, GMMA::Layout_K_SW32_Atom<Element>,
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+          GMMA::Major::K, Element, Int<kBlockN>, Int<kKVAtomN / kDqChunks>>())>;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // (d, n) -> K(n, d): the MN-major B operand of dQ = dS K.
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  // dS: (m, n), K-major A operand of dQ = dS K; written through the
+  // transposed view (n, m) that matches the dP^T accumulator, which is also
+  // the MN-major A operand of the staged path's dK GEMM (and, for P, dV's).
+  using SmemAtomdS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockM>, Int<kBlockN>>());
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtomdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
+
+  using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;  // Q and dO share a stage barrier
+  using PipelineKV = cutlass::PipelineTmaAsync<1>;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> dout;
+    // Base-2 LSE and delta of the query block, per stage (bulk-copied with Q/dO).
+    cute::array_aligned<float, kBlockM * kStages, 128> lse;
+    cute::array_aligned<float, kBlockM * kStages, 128> delta;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> ds;
+    // P, laid out like dS (staged path only).
+    cute::array_aligned<Element, kStagePdS ? cute::cosize_v<SmemLayoutdS> : 1, kStagePdS ? 1024 : 16> p;
+    // This key block's share of dQ for one query block, row-major like one
+    // block of the dQ accumulator, so a single bulk reduce-add moves it.
+    cute::array_aligned<float, kBlockM * kHeadDim, 128> dq;
+    typename PipelineQdO::SharedStorage pipe_qdo;
+    typename PipelineKV::SharedStorage pipe_kv;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds shared memory");
+
+  static constexpr uint32_t kBytesRowStats = kBlockM * sizeof(float);  // one of lse / delta
+  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBytesRowStats;
+  static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+
+  // Global tensors as TMA sees them: (seq, d, head, batch), head dim contiguous.
+  using ShapeSeq = Shape<int32_t, Int<kHeadDim>, int32_t, int32_t>;
+  using StrideSeq = Stride<int64_t, _1, int64_t, int64_t>;
+  using LayoutSeq = Layout<ShapeSeq, StrideSeq>;
+
+  static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
+  static auto make_tma_kv(const Element* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  }
+  using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
+  using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
+};
+
+}  // namespace jax_fa3

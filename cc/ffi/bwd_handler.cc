@@ -1,0 +1,153 @@
+// XLA FFI handler for the backward pass: checks what the kernels rely on,
+// fills BwdParams and dispatches to the compiled (dtype, head dim). The fp32
+// scratch (dQ accumulator, delta, base-2 LSE, deterministic-mode semaphores)
+// arrives as extra custom-call outputs that the lowering discards, so XLA owns
+// every byte the kernels touch and nothing is allocated here.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include <cuda_runtime_api.h>
+#include "xla/ffi/api/ffi.h"
+
+#include "../bwd/params.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_fa3 {
+namespace {
+
+// A/B switch for the dQ reduction (see BwdParams::dq_atomic).
+bool dq_atomic() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAX_FA3_BWD_DQ_ATOMIC");
+    return v && *v && std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+template <class A, class B>
+bool same_dims(const A& a, const B& b) {
+  if (a.size() != b.size()) { return false; }
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) { return false; }
+  }
+  return true;
+}
+
+ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                   ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
+                   ffi::Result<ffi::Buffer<ffi::S32>> semaphore, float scale, float softcap,
+                   int32_t window_left, int32_t window_right, int32_t deterministic) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("jax_fa3_bwd: q, k, v must be rank 4 [B, T, N, H]");
+  }
+  const auto et = q.element_type();
+  if (k.element_type() != et || v.element_type() != et || o.element_type() != et ||
+      dout.element_type() != et || dq->element_type() != et || dk->element_type() != et ||
+      dv->element_type() != et) {
+    return ffi::Error::InvalidArgument("jax_fa3_bwd: q, k, v, out, dout and the gradients must share one dtype");
+  }
+  DType dtype;
+  switch (et) {
+    case ffi::DataType::BF16: dtype = DType::kBF16; break;
+    case ffi::DataType::F16: dtype = DType::kFP16; break;
+    default: return ffi::Error::InvalidArgument("jax_fa3_bwd: dtype must be bfloat16 or float16");
+  }
+  BwdParams p;
+  p.b = int(qd[0]); p.t = int(qd[1]); p.n = int(qd[2]); p.d = int(qd[3]);
+  p.s = int(kd[1]); p.kh = int(kd[2]);
+  p.t_pad = (p.t + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
+  const size_t rows = size_t(p.b) * p.n * p.t_pad;
+  if (kd[0] != p.b || kd[3] != p.d || p.kh == 0 || p.n % p.kh != 0 ||
+      !same_dims(v.dimensions(), kd) || !same_dims(o.dimensions(), qd) || !same_dims(dout.dimensions(), qd) ||
+      lse.element_count() != size_t(p.b) * p.n * p.t) {
+    return ffi::Error::InvalidArgument("jax_fa3_bwd: inconsistent q/k/v/out/lse/dout shapes");
+  }
+  if (q_lens.element_count() != size_t(p.b) || kv_lens.element_count() != size_t(p.b)) {
+    return ffi::Error::InvalidArgument("jax_fa3_bwd: seq-length arrays must have shape [B]");
+  }
+  if (dq_accum->element_count() != rows * p.d || delta->element_count() != rows ||
+      lse_log2->element_count() != rows || semaphore->element_count() != rows / kBwdBlockM) {
+    return ffi::Error::InvalidArgument("jax_fa3_bwd: scratch outputs have the wrong size");
+  }
+  if (p.b == 0 || p.n == 0 || p.d == 0) { return ffi::Error::Success(); }
+  if (p.t == 0 || p.s == 0) {  // no scores: every gradient is zero
+    for (auto* r : {&dq, &dk, &dv}) {
+      cudaError_t err = cudaMemsetAsync((*r)->untyped_data(), 0, (*r)->size_bytes(), stream);
+      if (err != cudaSuccess) { return ffi::Error::Internal(cudaGetErrorString(err)); }
+    }
+    return ffi::Error::Success();
+  }
+  p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
+  p.o = o.untyped_data(); p.dout = dout.untyped_data(); p.lse = lse.typed_data();
+  p.q_lens = q_lens.typed_data(); p.kv_lens = kv_lens.typed_data();
+  p.dq = dq->untyped_data(); p.dk = dk->untyped_data(); p.dv = dv->untyped_data();
+  p.dq_accum = dq_accum->typed_data(); p.delta = delta->typed_data();
+  p.lse_log2 = lse_log2->typed_data(); p.semaphore = semaphore->typed_data();
+  p.scale = scale; p.softcap = softcap;
+  // As in the forward: a window side covering the whole sequence is dropped.
+  p.window_left = (window_left < 0 || window_left >= p.t) ? -1 : window_left;
+  p.window_right = (window_right < 0 || window_right >= p.s) ? -1 : window_right;
+  p.deterministic = deterministic != 0;
+  p.dq_atomic = dq_atomic();
+
+  for (int i = 0; i < kNumBwdKernels; ++i) {
+    const BwdKernelEntry& e = kBwdKernels[i];
+    if (e.dtype == dtype && e.head_dim == p.d) {
+      cudaError_t err = e.launch(p, stream);
+      if (err != cudaSuccess) {
+        return ffi::Error::Internal(std::string("jax_fa3_bwd: launch failed: ") + cudaGetErrorString(err));
+      }
+      return ffi::Error::Success();
+    }
+  }
+  return ffi::Error::InvalidArgument("jax_fa3_bwd: no backward kernel was compiled for head dim " +
+                                     std::to_string(p.d) + " with this dtype");
+}
+
+}  // namespace
+}  // namespace jax_fa3
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3Bwd, jax_fa3::BwdImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()           // q
+        .Arg<ffi::AnyBuffer>()           // k
+        .Arg<ffi::AnyBuffer>()           // v
+        .Arg<ffi::AnyBuffer>()           // out
+        .Arg<ffi::Buffer<ffi::F32>>()    // lse
+        .Arg<ffi::AnyBuffer>()           // dout
+        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens
+        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
+        .Ret<ffi::AnyBuffer>()           // dq
+        .Ret<ffi::AnyBuffer>()           // dk
+        .Ret<ffi::AnyBuffer>()           // dv
+        .Ret<ffi::Buffer<ffi::F32>>()    // scratch: dq_accum
+        .Ret<ffi::Buffer<ffi::F32>>()    // scratch: delta
+        .Ret<ffi::Buffer<ffi::F32>>()    // scratch: lse_log2
+        .Ret<ffi::Buffer<ffi::S32>>()    // scratch: semaphores
+        .Attr<float>("scale")
+        .Attr<float>("softcap")
+        .Attr<int32_t>("window_left")
+        .Attr<int32_t>("window_right")
+        .Attr<int32_t>("deterministic"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+extern "C" {
+__attribute__((visibility("default"))) void* jax_fa3_bwd_handler() {
+  return reinterpret_cast<void*>(JaxFa3Bwd);
+}
+__attribute__((visibility("default"))) int jax_fa3_num_bwd_kernels() { return jax_fa3::kNumBwdKernels; }
+__attribute__((visibility("default"))) void jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim) {
+  *dtype = int(jax_fa3::kBwdKernels[i].dtype);
+  *head_dim = jax_fa3::kBwdKernels[i].head_dim;
+}
+}

@@ -1,0 +1,76 @@
+// FP8 epilogue: as fwd/epilogue.h (registers -> smem -> one TMA store per
+// tile, LSE from registers), but O has the output dtype, not the e4m3
+// operand type, and always has its own buffer.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include "traits.h"
+#include "../fwd/tile_scheduler.h"
+#include "../fwd/utils.h"
+
+namespace jax_fa3 {
+
+template <class Traits, class KernelParams>
+struct Fp8Epilogue {
+  using ElementO = typename Traits::ElementO;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr uint32_t kBarrierO = 0;  // user named-barrier id (ping-pong uses 1, 2)
+
+  CUTE_DEVICE static void drain(int mma_tid) {
+    if (mma_tid == 0) { tma_store_wait<0>(); }
+  }
+
+  template <int kRows, class TO>
+  CUTE_DEVICE static void store(const KernelParams& params, typename Traits::SharedStorage& smem,
+                                int mma_tid, const WorkTile& tile, int q_len,
+                                TO& acc_o, const float (&lse)[kRows]) {
+    const FwdParams& p = params.fwd;
+    typename Traits::TiledMmaPV mma_pv;
+    auto thr_pv = mma_pv.get_thread_slice(mma_tid);
+    Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor cO_rc = as_rowcol(cO);
+    Tensor o_rc = as_rowcol(acc_o);
+    const int m_start = tile.m_block * kBlockM;
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(o_rc); ++r) {
+      if (m_start + get<0>(cO_rc(r, 0)) >= q_len) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) { o_rc(r, c) = 0.f; }
+      }
+    }
+
+    Tensor rO = convert_fragment<ElementO>(acc_o);
+    Tensor sO = make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutO{});
+    // The previous tile's store may still be reading the buffer.
+    if (mma_tid == 0) { tma_store_wait<0>(); }
+    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
+    Tensor tOsO = thr_pv.partition_C(sO);
+    copy(rO, tOsO);
+    cutlass::arch::fence_view_async_shared();  // generic writes -> TMA (async proxy)
+    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
+
+    if (mma_tid == 0) {
+      Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
+      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(tile.m_block, _0{}));
+      auto [tOgO, tOsO_tma] = tma_partition(params.tma_o, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+      copy(params.tma_o, tOsO_tma, tOgO);
+      tma_store_arrive();
+    }
+
+    if (get<1>(cO_rc(0, 0)) == 0) {  // one thread per quad writes its rows' LSE
+      float* lse_ptr = p.lse + (int64_t(tile.batch) * p.n + tile.head) * p.t;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int row = m_start + get<0>(cO_rc(r, 0));
+        if (row < p.t) { lse_ptr[row] = row < q_len ? lse[r] : INFINITY; }
+      }
+    }
+  }
+};
+
+}  // namespace jax_fa3

@@ -1,0 +1,198 @@
+// The warp-specialized FP8 forward kernel and its host launcher. Roles:
+//   producer warpgroup, warp 0: one thread issues the TMA loads of Q, K, V
+//                               (fwd/producer.h, unchanged);
+//   producer warpgroup, warps 1-3: transpose each V tile into V^T (transpose.h);
+//   consumer warpgroups 1, 2: QGMMAs, softmax, epilogue (mainloop.h).
+// Include from exactly one generated .cu per (output dtype, head dim).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "params.h"
+#include "traits.h"
+#include "transpose.h"
+#include "mainloop.h"
+#include "epilogue.h"
+#include "../fwd/tile_scheduler.h"
+#include "../fwd/mask.h"
+#include "../fwd/producer.h"
+
+namespace jax_fa3 {
+
+template <class Traits>
+struct Fp8KernelParams {
+  FwdParams fwd;  // named as fwd/producer.h expects
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  typename Traits::TmaO tma_o;
+  const float* q_scale;
+  const float* k_scale;
+  const float* v_scale;
+};
+
+template <class Traits, class Scheduler>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
+#if defined(__CUDA_ARCH__) && !defined(CUTLASS_ARCH_MMA_SM90A_ENABLED)
+  __trap();
+#else
+  using Params = Fp8KernelParams<Traits>;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineKV = typename Traits::PipelineKV;
+  using PipelineVt = typename Traits::PipelineVt;
+  using Mainloop = Fp8ConsumerMainloop<Traits>;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+
+  extern __shared__ char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  const FwdParams& p = params.fwd;
+
+  const int warp_group = cutlass::canonical_warp_group_idx();
+  const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
+  const bool is_producer = warp_group == 0;
+  const bool is_transposer = is_producer && warp_in_group > 0;
+  const bool lane_leader = cute::elect_one_sync();
+  const bool is_tma_thread = is_producer && warp_in_group == 0 && lane_leader;
+
+  if (is_tma_thread) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
+  }
+
+  // Q and K: TMA thread -> consumers. V: TMA thread -> transposers.
+  // V^T: transposers -> consumers.
+  using Role = typename PipelineKV::ThreadCategory;
+  typename PipelineQ::Params pq;
+  pq.transaction_bytes = Traits::kTmaBytesQ;
+  pq.role = is_producer ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
+  pq.is_leader = is_tma_thread;
+  pq.num_consumers = Traits::kNumMmaThreads;
+  typename PipelineKV::Params pk;
+  pk.transaction_bytes = Traits::kTmaBytesKV;
+  pk.role = is_producer ? Role::Producer : Role::Consumer;
+  pk.is_leader = is_tma_thread;
+  pk.num_consumers = Traits::kNumMmaThreads;
+  typename PipelineKV::Params pv = pk;
+  pv.role = is_transposer ? Role::Consumer : (is_producer ? Role::Producer : Role::NonParticipant);
+  pv.num_consumers = Traits::kNumTransposeThreads;
+  typename PipelineVt::Params pvt;
+  pvt.role = is_transposer ? PipelineVt::ThreadCategory::Producer
+                           : (is_producer ? PipelineVt::ThreadCategory::NonParticipant
+                                          : PipelineVt::ThreadCategory::Consumer);
+  pvt.producer_arv_count = Traits::kNumTransposeThreads;
+  pvt.consumer_arv_count = Traits::kNumMmaThreads;
+
+  PipelineQ pipe_q(smem.pipe_q, pq, Shape<_1, _1, _1>{});
+  PipelineKV pipe_k(smem.pipe_k, pk, Shape<_1, _1, _1>{});
+  PipelineKV pipe_v(smem.pipe_v, pv, Shape<_1, _1, _1>{});
+  PipelineVt pipe_vt(smem.pipe_vt, pvt);
+  __syncthreads();  // barrier init visible to all
+
+  Scheduler scheduler(p, kBlockM);
+
+  if (is_producer) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (is_tma_thread) {
+      ProducerLoad<Traits, Params> producer{params, smem};
+      auto state_q = cutlass::make_producer_start_state<PipelineQ>();
+      auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
+      for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
+        TileMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
+                                        min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+        producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
+      }
+      pipe_k.producer_tail(state_kv);
+      pipe_v.producer_tail(state_kv);
+    } else if (is_transposer) {
+      const int tid = threadIdx.x - cutlass::NumThreadsPerWarp;
+      auto state_v = typename PipelineKV::PipelineState{};
+      auto state_vt = cutlass::make_producer_start_state<PipelineVt>();
+      for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
+        TileMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
+                                        min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+        for (int n_block = mask.n_block_max - 1; n_block >= mask.n_block_min; --n_block) {
+          pipe_v.consumer_wait(state_v);
+          pipe_vt.producer_acquire(state_vt);
+          VTransposer<Traits>::transpose(smem, tid, state_v.index(), state_vt.index());
+          pipe_vt.producer_commit(state_vt);
+          pipe_v.consumer_release(state_v);
+          ++state_v;
+          ++state_vt;
+        }
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
+    Mainloop mainloop;
+    typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup,
+                                         p.window_left < 0 && p.window_right < 0};
+    pingpong.init();
+    auto state_q = typename PipelineQ::PipelineState{};
+    auto state_kv = typename PipelineKV::PipelineState{};
+    const int num_m = (p.t + kBlockM - 1) / kBlockM;
+    const int num_n = (p.s + kBlockN - 1) / kBlockN;
+    const float scale_log2 = p.scale * 1.44269504088896340736f;
+    for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
+      const int q_len = min(p.q_lens[tile.batch], p.t);
+      const int kv_head = tile.head / (p.n / p.kh);
+      const float q_scale = params.q_scale[(int64_t(tile.batch) * p.n + tile.head) * num_m + tile.m_block];
+      const int64_t kv_row = (int64_t(tile.batch) * p.kh + kv_head) * num_n;
+      TileMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
+                                      p.window_left, p.window_right);
+      Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
+      clear(acc_o);
+      typename Mainloop::Softmax softmax;
+      pipe_q.consumer_wait(state_q);
+      const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, scale_log2 * q_scale,
+                                         params.k_scale + kv_row, params.v_scale + kv_row,
+                                         pipe_k, pipe_vt, state_kv, softmax, acc_o);
+      pipe_q.consumer_release(state_q);  // O has its own buffer: Q is dead
+      ++state_q;
+      float lse[Mainloop::kRows];
+      softmax.finalize(acc_o, v_scale, lse);
+      Fp8Epilogue<Traits, Params>::store(params, smem, mma_tid, tile, q_len, acc_o, lse);
+    }
+    Fp8Epilogue<Traits, Params>::drain(mma_tid);
+  }
+#endif
+}
+
+// Host launcher for one instantiation (persistent scheduler).
+template <class ElementO, int HeadDim>
+cudaError_t launch_fp8_fwd(const Fp8FwdParams& fp, cudaStream_t stream) {
+  using Traits = Fp8FwdTraits<ElementO, HeadDim>;
+  using Scheduler = PersistentTileScheduler;
+  using Element = typename Traits::Element;
+  using LayoutSeq = typename Traits::LayoutSeq;
+  const FwdParams& p = fp.base;
+  auto layout = [](int seq, int heads, int batch) {
+    return LayoutSeq(make_shape(seq, Int<HeadDim>{}, heads, batch),
+                     make_stride(int64_t(heads) * HeadDim, _1{}, int64_t(HeadDim),
+                                 int64_t(seq) * heads * HeadDim));
+  };
+  Fp8KernelParams<Traits> kp{
+      p,
+      Traits::make_tma_q(static_cast<const Element*>(p.q), layout(p.t, p.n, p.b)),
+      Traits::make_tma_kv(static_cast<const Element*>(p.k), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_o(static_cast<ElementO*>(p.o), layout(p.t, p.n, p.b)),
+      fp.q_scale, fp.k_scale, fp.v_scale,
+  };
+  auto kernel = fp8_fwd_kernel<Traits, Scheduler>;
+  constexpr int smem_bytes = Traits::kSmemBytes;
+  cudaError_t attr_status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (attr_status != cudaSuccess) { return attr_status; }
+  dim3 grid = Scheduler::grid(p, Traits::kBlockM);
+  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_fa3

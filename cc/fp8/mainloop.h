@@ -1,0 +1,137 @@
+// FP8 consumer mainloop: per K/V block, S = Q K^T (SS QGMMA, FP32 accumulate),
+// descale + online softmax in FP32, P -> e4m3 in registers, O += P V^T-tile
+// (RS QGMMA). Same software pipeline as fwd/mainloop.h with intra-warpgroup
+// overlap and ping-pong; V arrives through the transposer's pipeline.
+//
+// Block scales: S_true = S * qs * ks_j enters softmax as one factor per block
+// (Fp8OnlineSoftmax). O is accumulated in units of the current V block's
+// scale: before adding P_j V_j the accumulator is rescaled by
+// correction_j * vs_{j-1} / vs_j, and finalize multiplies by the last vs.
+#pragma once
+
+#include <cuda_fp8.h>
+#include <cute/tensor.hpp>
+#include "traits.h"
+#include "transpose.h"
+#include "softmax.h"
+#include "../fwd/mask.h"
+#include "../fwd/pingpong.h"
+#include "../fwd/utils.h"
+
+namespace jax_fa3 {
+
+// Accumulator S (fp32, per k32 slice 16 values ordered (col pair, row half,
+// n8 group)) -> FP8 A fragment (per k32 slice 16 bytes ordered (k byte, row
+// half, k half)). Register moves only; the resulting column order is the one
+// vt_key_of describes, and V^T is stored in that order.
+template <class TS, class TP>
+CUTE_DEVICE void pack_p_fp8(TS const& tSrS, TP& tOrP) {
+  constexpr int kSlices = decltype(size(tSrS))::value / 16;
+  static_assert(decltype(size(tOrP))::value == kSlices * 16);
+  const float* s = tSrS.data();
+  uint32_t* p = reinterpret_cast<uint32_t*>(tOrP.data());
+  auto pack4 = [](float a, float b, float c, float d) {
+    uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return lo | (hi << 16);
+  };
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < kSlices; ++kb) {
+    const float* x = s + 16 * kb;
+    p[4 * kb + 0] = pack4(x[0], x[1], x[4], x[5]);      // row g,   k 4t..4t+3
+    p[4 * kb + 1] = pack4(x[2], x[3], x[6], x[7]);      // row g+8, k 4t..4t+3
+    p[4 * kb + 2] = pack4(x[8], x[9], x[12], x[13]);    // row g,   k 16+4t..
+    p[4 * kb + 3] = pack4(x[10], x[11], x[14], x[15]);  // row g+8, k 16+4t..
+  }
+}
+
+template <class Traits>
+struct Fp8ConsumerMainloop {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
+
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+
+  static constexpr int kRows = decltype(size<0>(as_rowcol(partition_fragment_C(
+      typename Traits::TiledMmaQK{}, TileS{}))))::value;
+  using Softmax = Fp8OnlineSoftmax<kRows>;
+  using PingPong = WarpGroupPingPong<Traits::kPingPong, Traits::kNumMmaThreads>;
+
+  // Runs the tile's K/V blocks. q_to_log2 = softmax scale * log2(e) * q_scale;
+  // k_scale / v_scale point at this (batch, kv head)'s block scales. Returns
+  // the V scale acc_o is expressed in (1 when the tile is empty).
+  template <class PipelineKV, class PipelineVt, class StateKV, class TO>
+  CUTE_DEVICE float run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
+                        const TileMask<kBlockM, kBlockN>& mask, float q_to_log2,
+                        const float* k_scale, const float* v_scale,
+                        PipelineKV& pipe_k, PipelineVt& pipe_vt, StateKV& state_kv,
+                        Softmax& softmax, TO& acc_o) {
+    if (mask.empty()) { return 1.f; }
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.vt.data()), typename Traits::SmemLayoutVt{});
+
+    auto thr_qk = mma_qk.get_thread_slice(mma_tid);
+    auto thr_pv = mma_pv.get_thread_slice(mma_tid);
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stage)
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(TileS{}));
+
+    Tensor tSrS = partition_fragment_C(mma_qk, TileS{});
+    Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_pv, TileS{}));
+    float correction[kRows];
+
+    int n_block = mask.n_block_max - 1;
+    float ks = k_scale[n_block];
+    float vs = v_scale[n_block];
+    pipe_k.consumer_wait(state_kv);
+    pingpong.wait_turn();
+    warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
+    pingpong.pass_turn();
+    warpgroup_wait<0>();
+    pipe_k.consumer_release(state_kv);
+    if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
+    softmax.max_and_exp(tSrS, q_to_log2 * ks, correction);  // acc_o is zero: no rescale
+    pack_p_fp8(tSrS, tOrP);
+
+    StateKV state_v = state_kv;  // stage holding the V^T that matches P
+    ++state_kv;
+    for (--n_block; n_block >= mask.n_block_min; --n_block) {
+      const float ks_next = k_scale[n_block];
+      const float vs_next = v_scale[n_block];
+      pipe_k.consumer_wait(state_kv);
+      pingpong.wait_turn();
+      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
+      pipe_vt.consumer_wait(state_v);
+      warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+      pingpong.pass_turn();
+      warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+      pipe_k.consumer_release(state_kv);
+      if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
+      softmax.max_and_exp(tSrS, q_to_log2 * ks_next, correction);
+      const float v_ratio = vs / vs_next;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) { correction[r] *= v_ratio; }
+      warpgroup_wait<0>();  // P.V retired: O and the P registers are free
+      pipe_vt.consumer_release(state_v);
+      Softmax::rescale(acc_o, correction);
+      pack_p_fp8(tSrS, tOrP);
+      vs = vs_next;
+      state_v = state_kv;
+      ++state_kv;
+    }
+    pipe_vt.consumer_wait(state_v);
+    pingpong.wait_turn();
+    warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+    pingpong.pass_turn();
+    warpgroup_wait<0>();
+    pipe_vt.consumer_release(state_v);
+    return vs;
+  }
+};
+
+}  // namespace jax_fa3

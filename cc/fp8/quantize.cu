@@ -1,0 +1,155 @@
+// The fused FP8 quantize pre-pass. One CTA per (row block, head, batch) of one
+// tensor; each warp owns whole rows, each lane kD / 32 consecutive elements of
+// a row. The normalized fast Walsh-Hadamard transform runs in registers: the
+// butterflies with stride < kD / 32 inside a lane, the rest across lanes with
+// shuffles. The block's rotated values stay in registers between the amax
+// reduction and the quantization, so the input is read once.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "quantize.h"
+
+namespace jax_fa3 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxBlockRows = 128;
+constexpr float kE4M3Max = 448.f;
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+// A lane's kD / 32 consecutive elements move as one vector access (8 B of
+// bf16 and 4 B of e4m3 per lane at d128: full 256 B / 128 B rows per warp).
+template <int kBytes> struct alignas(kBytes) Chunk { uint8_t b[kBytes]; };
+
+template <class T, int kD>
+__global__ void __launch_bounds__(kThreads)
+quantize_kernel(const QuantParams p, int blocks0, int blocks1) {
+  constexpr int kE = kD / 32;                     // elements per lane
+  constexpr int kRowsPerWarp = kMaxBlockRows / kWarps;
+  __shared__ float warp_amax[kWarps];
+
+  int blk = blockIdx.x, which = 0;
+  if (blk >= blocks0) { blk -= blocks0; which = 1; if (blk >= blocks1) { blk -= blocks1; which = 2; } }
+  const QuantTensor& qt = p.t[which];
+  const int num_rb = (qt.seq + qt.block_rows - 1) / qt.block_rows;
+  const int rb = blk % num_rb;
+  const int head = (blk / num_rb) % qt.heads;
+  const int batch = blk / (num_rb * qt.heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row0 = rb * qt.block_rows;
+  const int rows = min(qt.block_rows, qt.seq - row0);
+  const int64_t row_stride = int64_t(qt.heads) * kD;
+  const int64_t base = (int64_t(batch) * qt.seq + row0) * row_stride + int64_t(head) * kD + lane * kE;
+  const T* x = static_cast<const T*>(qt.x) + base;
+
+  float sign[kE];
+  #pragma unroll
+  for (int e = 0; e < kE; ++e) { sign[e] = qt.hadamard ? p.signs[lane * kE + e] : 1.f; }
+  const float norm = qt.hadamard ? rsqrtf(float(kD)) : 1.f;
+
+  float v[kRowsPerWarp][kE];
+  float amax = 0.f;
+  #pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp + i * kWarps;
+    #pragma unroll
+    for (int e = 0; e < kE; ++e) { v[i][e] = 0.f; }
+    if (r < rows) {
+      const auto raw = *reinterpret_cast<const Chunk<kE * sizeof(T)>*>(x + r * row_stride);
+      const T* xs = reinterpret_cast<const T*>(raw.b);
+      #pragma unroll
+      for (int e = 0; e < kE; ++e) { v[i][e] = to_float(xs[e]) * sign[e]; }
+    }
+    if (qt.hadamard) {  // warp-uniform: r < rows is too, so the shuffles are safe
+      #pragma unroll
+      for (int h = 1; h < kE; h *= 2) {
+        #pragma unroll
+        for (int e = 0; e < kE; ++e) {
+          if ((e & h) == 0) { float a = v[i][e], b = v[i][e + h]; v[i][e] = a + b; v[i][e + h] = a - b; }
+        }
+      }
+      #pragma unroll
+      for (int m = 1; m < 32; m *= 2) {  // stride m * kE: partner lane ^ m
+        const bool upper = lane & m;
+        #pragma unroll
+        for (int e = 0; e < kE; ++e) {
+          float other = __shfl_xor_sync(0xffffffff, v[i][e], m);
+          v[i][e] = upper ? other - v[i][e] : v[i][e] + other;
+        }
+      }
+      #pragma unroll
+      for (int e = 0; e < kE; ++e) { v[i][e] *= norm; }
+    }
+    #pragma unroll
+    for (int e = 0; e < kE; ++e) { amax = fmaxf(amax, fabsf(v[i][e])); }
+  }
+  #pragma unroll
+  for (int m = 16; m > 0; m /= 2) { amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, m)); }
+  if (lane == 0) { warp_amax[warp] = amax; }
+  __syncthreads();
+  amax = warp_amax[0];
+  #pragma unroll
+  for (int w = 1; w < kWarps; ++w) { amax = fmaxf(amax, warp_amax[w]); }
+
+  // An all-zero block gets scale 1, never 0: the attention kernel divides by
+  // neighbouring V scales.
+  const float scale = qt.fixed_scale ? *qt.fixed_scale : (amax > 0.f ? amax / kE4M3Max : 1.f);
+  const float inv = 1.f / scale;
+  if (threadIdx.x == 0) { qt.scales[(int64_t(batch) * qt.heads + head) * num_rb + rb] = scale; }
+
+  uint8_t* out = static_cast<uint8_t*>(qt.out) + base;
+  #pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp + i * kWarps;
+    if (r >= rows) { continue; }
+    Chunk<kE> bytes;
+    #pragma unroll
+    for (int e = 0; e < kE; e += 2) {
+      __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
+          make_float2(v[i][e] * inv, v[i][e + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+      bytes.b[e] = uint8_t(two & 0xff);
+      bytes.b[e + 1] = uint8_t(two >> 8);
+    }
+    *reinterpret_cast<Chunk<kE>*>(out + r * row_stride) = bytes;
+  }
+}
+
+template <class T, int kD>
+cudaError_t launch_typed(const QuantParams& p, cudaStream_t stream) {
+  int counts[3] = {0, 0, 0};
+  long long total = 0;
+  for (int i = 0; i < p.num_tensors; ++i) {
+    const QuantTensor& t = p.t[i];
+    if (t.block_rows <= 0 || t.block_rows > kMaxBlockRows || t.block_rows % kWarps != 0) {
+      return cudaErrorInvalidValue;
+    }
+    counts[i] = p.b * t.heads * ((t.seq + t.block_rows - 1) / t.block_rows);
+    total += counts[i];
+  }
+  if (total == 0) { return cudaSuccess; }
+  quantize_kernel<T, kD><<<unsigned(total), kThreads, 0, stream>>>(p, counts[0], counts[1]);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_dim(const QuantParams& p, cudaStream_t stream) {
+  switch (p.d) {
+    case 64: return launch_typed<T, 64>(p, stream);
+    case 128: return launch_typed<T, 128>(p, stream);
+    case 256: return launch_typed<T, 256>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_quantize(const QuantParams& p, cudaStream_t stream) {
+  return p.dtype == DType::kBF16 ? launch_dim<__nv_bfloat16>(p, stream)
+                                 : launch_dim<__half>(p, stream);
+}
+
+}  // namespace jax_fa3

@@ -1,0 +1,33 @@
+// FP8 quantize pre-pass: plain data shared by the FFI handler and quantize.cu.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+#include "../fwd/params.h"
+
+namespace jax_fa3 {
+
+// One tensor [b, seq, heads, d] to quantize in blocks of `block_rows` rows of
+// one head: scales[b, heads, ceil(seq / block_rows)] = amax / 448 of the
+// (rotated) block, out = e4m3(x / scale).
+struct QuantTensor {
+  const void* x = nullptr;
+  void* out = nullptr;     // e4m3, same shape
+  float* scales = nullptr;
+  int seq = 0, heads = 0, block_rows = 0;
+  bool hadamard = false;   // rotate rows by diag(signs) * H_d / sqrt(d) first
+  const float* fixed_scale = nullptr;  // non-null: per-tensor mode, use *fixed_scale
+};
+
+// Up to three tensors (Q, K, V) in one launch: the pre-pass reads each once.
+struct QuantParams {
+  QuantTensor t[3];
+  int num_tensors = 0;
+  int b = 0, d = 0;
+  DType dtype = DType::kBF16;
+  const float* signs = nullptr;  // [d], +-1
+};
+
+cudaError_t launch_fp8_quantize(const QuantParams& p, cudaStream_t stream);
+
+}  // namespace jax_fa3

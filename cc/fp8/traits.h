@@ -1,0 +1,128 @@
+// Compile-time shape of one FP8 forward instantiation. Differences from the
+// 16-bit FwdTraits: e4m3 operands (QGMMA, FP32 accumulation), a second V
+// buffer holding each V tile transposed (FP8 WGMMA reads B only K-major), a
+// pipeline between the transposing warps and the consumers, and an output
+// element type distinct from the operand type.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "params.h"
+
+namespace jax_fa3 {
+
+using namespace cute;
+
+template <class ElementO_, int HeadDim>
+struct Fp8FwdTraits {
+  using Element = cutlass::float_e4m3_t;
+  using ElementO = ElementO_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = kFp8BlockM;
+  static constexpr int kBlockN = fp8_block_n(HeadDim);
+  static constexpr int kStages = 2;
+  static constexpr bool kPingPong = true;
+  static_assert(kBlockN % 32 == 0, "P.V consumes P in k32 slices");
+
+  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  // Warps 1..3 of the producer warpgroup transpose V (warp 0 issues TMA).
+  static constexpr int kNumTransposeThreads = 3 * 32;
+  // setmaxnreg: producer + 2 consumers must fit 65536 registers
+  // (48 * 128 + 232 * 256 = 65536; at 40 the transposer spilled its loop state).
+  static constexpr int kProducerRegs = HeadDim >= 256 ? 32 : 48;
+  static constexpr int kConsumerRegs = HeadDim >= 256 ? 240 : 232;
+
+  using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+  // S = Q K^T: SS QGMMA, both K-major. FP32 accumulation on purpose: an F16
+  // accumulator would halve the accumulator registers (the d256 O tile spills
+  // at 240 registers) and raise QGMMA issue rate (CUTLASS's FP8 example: 784
+  // -> 891 TFLOP/s at d128), but e4m3 operands scaled to +-448 give products
+  // up to 2e5 > 65504 (it would need operands rescaled to ~+-16) and an 11-bit
+  // mantissa over d = 128..256 terms adds ~sqrt(d) * 2^-11 relative score
+  // error before exp(), on top of the e4m3 rounding the Hadamard step removes.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum,
+                           Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayoutMNK{}));
+  // O += P V: P from registers, V^T K-major (the transposed copy).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum,
+                           Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::K>(),
+      AtomLayoutMNK{}));
+
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;  // as TMA writes it: (n, d)
+  // V^T: (d, n), n contiguous, with the n order permuted (see mainloop.h).
+  using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kHeadDim>, Int<kBlockN>>());
+  using SmemLayoutVt = decltype(tile_to_shape(
+      SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+
+  using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, ElementO, Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtomO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  static constexpr int kSmemBytesNoO =
+      int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 3 * cosize_v<SmemLayoutK>) + 1024;
+  static constexpr bool kSeparateO =
+      kSmemBytesNoO + int(sizeof(ElementO)) * cosize_v<SmemLayoutO> <= 227 * 1024;
+  static_assert(kSeparateO, "FP8 tiles are chosen so that O has its own buffer");
+
+  using PipelineQ = cutlass::PipelineTmaAsync<1>;
+  using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineVt = cutlass::PipelineAsync<kStages>;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> vt;
+    cute::array_aligned<ElementO, cute::cosize_v<SmemLayoutO>, 1024> o;
+    typename PipelineQ::SharedStorage pipe_q;
+    typename PipelineKV::SharedStorage pipe_k;
+    typename PipelineKV::SharedStorage pipe_v;
+    typename PipelineVt::SharedStorage pipe_vt;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds shared memory");
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using ShapeSeq = Shape<int32_t, Int<kHeadDim>, int32_t, int32_t>;
+  using StrideSeq = Stride<int64_t, _1, int64_t, int64_t>;
+  using LayoutSeq = Layout<ShapeSeq, StrideSeq>;
+
+  static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
+  static auto make_tma_kv(const Element* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  }
+  static auto make_tma_o(ElementO* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         SmemLayoutO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
+  using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
+  using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
+  using TmaO = decltype(make_tma_o(nullptr, LayoutSeq{}));
+};
+
+}  // namespace jax_fa3

@@ -1,0 +1,396 @@
+"""FP8 (e4m3) attention: block scales and Hadamard incoherent processing.
+
+``attention(q, k, v, precision="fp8")`` quantizes bf16/fp16 Q, K, V inside
+(one fused pre-pass kernel), runs the FP8 forward kernel (QGMMA with FP32
+accumulation, FP32 softmax) and returns the input dtype.  Two accuracy
+devices, both on by default and switchable for ablation:
+
+* **block scales**: one FP32 scale (``amax / 448``) per block of rows the
+  kernel consumes, so an outlier coarsens only its own block;
+  ``fp8_block_scales=False`` uses one scale per tensor.
+* **Hadamard rotation** of Q and K: ``x -> x diag(signs) H_d / sqrt(d)``
+  with random signs from ``fp8_seed``.  The rotation is orthogonal and
+  applied to both, so ``Q K^T`` is unchanged, but an outlier channel is spread
+  over all ``d`` channels before quantization.  V is not rotated (its rotation
+  would not cancel).
+
+Scale layout (float32, row-major), one scale per kernel block:
+
+* ``q_scale [B, N, ceil(T / 128)]``: 128 query rows of one head.
+* ``k_scale, v_scale [B, K, ceil(S / block_n)]`` with ``block_n =
+  kv_block_rows(head_dim)`` (128 for d 64/128, 64 for d 256): rows of one
+  key/value head.
+
+A dequantized value is ``e4m3 value * scale``.  :func:`quantize_fp8` produces
+exactly this layout; :func:`attention_fp8` consumes it (e.g. an FP8 KV cache).
+
+Gradients: ``jax.grad`` through ``precision="fp8"`` is straight-through: the
+backward is the ordinary (bf16/fp16) attention backward evaluated at the
+original, unquantized inputs.
+
+Without an H100/H200 (or for ``implementation="reference"``) the same
+quantization is emulated in pure JAX (:func:`quantize_fp8`, and
+:func:`emulate_fp8_attention`, which also rounds P to e4m3 as the kernel
+does), so results are close to, not bit-identical with, the kernel's.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_fa3 import _native, _validate as V
+
+__all__ = ["quantize_fp8", "attention_fp8", "emulate_fp8_attention",
+           "hadamard_signs", "rotate", "kv_block_rows", "Q_BLOCK_ROWS",
+           "E4M3_MAX", "fp8_kernel_blocker"]
+
+E4M3_MAX = 448.0
+Q_BLOCK_ROWS = 128
+FP8_HEAD_DIMS = (64, 128, 256)
+# P is produced as 2**8 * exp(s - max) before its cast to e4m3 (uses the e4m3
+# range; values below 2**-9 would flush to zero otherwise); cancels in PV/sum.
+_P_SHIFT = 256.0
+_F32 = jnp.float32
+_E4M3 = jnp.float8_e4m3fn
+_HIGHEST = lax.Precision.HIGHEST
+
+QUANT_TARGET = "jax_fa3_fp8_quantize"
+FWD_TARGET = "jax_fa3_fp8_fwd"
+
+
+def kv_block_rows(head_dim: int) -> int:
+  """Rows per K/V scale block of the FP8 kernel for this head dim."""
+  return 64 if head_dim >= 256 else 128
+
+
+def _check_head_dim_pow2(h):
+  if h < 1 or h & (h - 1):
+    raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, "
+                     f"got {h}")
+
+
+def hadamard_signs(head_dim: int, seed: int = 0) -> jax.Array:
+  """The random +-1 diagonal (float32 ``[head_dim]``) drawn from ``seed``."""
+  return jax.random.rademacher(jax.random.PRNGKey(seed), (head_dim,),
+                               dtype=_F32)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_np(d):
+  i = np.arange(d)
+  pop = np.vectorize(lambda x: bin(x).count("1"))(i[:, None] & i[None, :])
+  return ((-1.0) ** pop / math.sqrt(d)).astype(np.float32)
+
+
+def rotate(x, signs):
+  """``x diag(signs) H / sqrt(d)`` along the last axis, in float32 (the
+  Sylvester-ordered Hadamard matrix; orthogonal and symmetric)."""
+  d = x.shape[-1]
+  _check_head_dim_pow2(d)
+  h = jnp.asarray(_hadamard_np(d))
+  return jnp.matmul(x.astype(_F32) * signs.astype(_F32), h, precision=_HIGHEST)
+
+
+def _block_amax(y, block_rows):
+  """y [B, S, N, H] f32 -> amax [B, N, ceil(S / block_rows)]."""
+  b, s, n, h = y.shape
+  nb = -(-s // block_rows)
+  y = jnp.pad(jnp.abs(y), ((0, 0), (0, nb * block_rows - s), (0, 0), (0, 0)))
+  a = jnp.max(y.reshape(b, nb, block_rows, n, h), axis=(2, 4))
+  return jnp.transpose(a, (0, 2, 1))
+
+
+def _expand_scales(scales, block_rows, s):
+  """[B, N, nb] -> [B, S, N, 1] (each block's scale on its rows)."""
+  e = jnp.repeat(jnp.transpose(scales, (0, 2, 1)), block_rows, axis=1)[:, :s]
+  return e[..., None]
+
+
+def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
+                 seed: int = 0, signs=None, per_tensor: bool = False):
+  """Quantizes ``x [B, S, N, H]`` to e4m3 with FP32 block scales.
+
+  Returns ``(x_e4m3 [B, S, N, H] float8_e4m3fn, scales f32 [B, N,
+  ceil(S / block_rows)])`` with ``x ~= x_e4m3 * scale`` (after the rotation
+  when ``hadamard``).  For the FP8 kernel use ``block_rows = 128`` for Q and
+  ``kv_block_rows(H)`` for K and V, the same ``signs`` (or ``seed``) for Q and
+  K, and ``hadamard=False`` for V.  ``per_tensor`` puts the tensor-wide
+  scale in every entry.  An all-zero block gets scale 1.  Pure JAX.
+  """
+  x = V.as_array(x, "x")
+  if x.ndim != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a floating [B, S, N, H] array, got "
+                     f"{x.dtype} of shape {x.shape}")
+  if not V._is_int(block_rows) or block_rows <= 0:
+    raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+  y = x.astype(_F32)
+  if hadamard:
+    if signs is None:
+      signs = hadamard_signs(x.shape[-1], seed)
+    signs = jnp.asarray(signs, _F32)
+    if signs.shape != (x.shape[-1],):
+      raise ValueError(f"signs must have shape [H]=({x.shape[-1]},), got "
+                       f"{signs.shape}")
+    y = rotate(y, signs)
+  amax = _block_amax(y, block_rows)
+  if per_tensor:
+    amax = jnp.full_like(amax, jnp.max(amax))
+  scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(_F32)
+  q = jnp.clip(y / _expand_scales(scales, block_rows, x.shape[1]),
+               -E4M3_MAX, E4M3_MAX).astype(_E4M3)
+  return q, scales
+
+
+def _dequantize(x8, scales, block_rows):
+  return x8.astype(_F32) * _expand_scales(scales, block_rows, x8.shape[1])
+
+
+def emulate_fp8_attention(q8, k8, v8, q_scale, k_scale, v_scale, *, scale,
+                          q_lens=None, kv_lens=None, window_left=-1,
+                          window_right=-1, out_dtype=jnp.bfloat16,
+                          quantize_p=True):
+  """Pure-JAX emulation of the FP8 kernel on quantized inputs: dequantized
+  operands, FP32 scores and softmax, P rounded to e4m3 as ``2**8 * exp(s -
+  rowmax)`` (the kernel uses the running max of its key blocks instead of
+  the final one), ``O = P V / sum(P)`` with the FP32 sum.  Dense ``T x S``
+  scores: meant for tests and the accuracy table, not for long sequences.
+  Returns ``(out [B, T, N, H] out_dtype, lse f32 [B, N, T])``."""
+  b, t, n, h = q8.shape
+  s, kh = k8.shape[1], k8.shape[2]
+  bn = kv_block_rows(h)
+  q = _dequantize(q8, q_scale, Q_BLOCK_ROWS).reshape(b, t, kh, n // kh, h)
+  k = _dequantize(k8, k_scale, bn)
+  v = _dequantize(v8, v_scale, bn)
+  sc = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=_HIGHEST) * scale
+  i = jnp.arange(t)[:, None]
+  j = jnp.arange(s)[None, :]
+  ql = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens
+  kl = jnp.full((b,), s, jnp.int32) if kv_lens is None else kv_lens
+  vis = (i[None] < ql[:, None, None]) & (j[None] < kl[:, None, None])
+  if window_left >= 0:
+    vis &= (j >= i - window_left)[None]
+  if window_right >= 0:
+    vis &= (j <= i + window_right)[None]
+  vis = vis[:, None, None]
+  sc = jnp.where(vis, sc, -jnp.inf)
+  m = jnp.max(sc, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(sc - m) * _P_SHIFT
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  if quantize_p:
+    p = p.astype(_E4M3).astype(_F32)
+  o = jnp.einsum("bkgts,bskh->btkgh", p, v, precision=_HIGHEST)
+  dt = jnp.transpose(denom[..., 0], (0, 3, 1, 2))[..., None]  # [b,t,k,g,1]
+  o = jnp.where(dt > 0, o / jnp.where(dt > 0, dt, 1.0), 0.0)
+  lse = jnp.where(denom[..., 0] > 0,
+                  m[..., 0] + jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0))
+                  - math.log(_P_SHIFT), jnp.inf)
+  return (o.reshape(b, t, n, h).astype(out_dtype),
+          lse.reshape(b, n, t))
+
+
+# ---------------------------------------------------------------- kernels
+
+def compiled_fp8_configs() -> frozenset:
+  """``(output dtype name, head_dim)`` pairs with an FP8 kernel."""
+  mod = getattr(_native, "_jax_fa3", None)
+  fn = getattr(mod, "compiled_fp8_configs", None)
+  return frozenset((str(d), int(hd)) for d, hd in fn()) if fn else frozenset()
+
+
+def fp8_kernel_blocker(dtype, head_dim):
+  """Why the FP8 kernel cannot run (None if it can)."""
+  dtype = np.dtype(dtype)
+  if dtype not in V.KERNEL_DTYPES:
+    return f"precision='fp8' needs bfloat16 or float16 inputs, got {dtype}"
+  if not _native.available():
+    return "the jax_fa3 CUDA kernels were not built"
+  if not _native.sm90_gpu_present():
+    return "no sm_90 (H100/H200) GPU is visible to JAX"
+  if (dtype.name, int(head_dim)) not in compiled_fp8_configs():
+    return (f"no FP8 kernel for head_dim {head_dim} with output {dtype.name} "
+            f"(compiled: {sorted(compiled_fp8_configs())})")
+  return None
+
+
+def _scale_shape(b, heads, seq, rows):
+  return (b, heads, -(-seq // rows))
+
+
+def _quantize_kernel(q, k, v, signs, fixed, hadamard):
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  bn = kv_block_rows(h)
+  sds = jax.ShapeDtypeStruct
+  shapes = (sds(q.shape, _E4M3), sds(k.shape, _E4M3), sds(v.shape, _E4M3),
+            sds(_scale_shape(b, n, t, Q_BLOCK_ROWS), _F32),
+            sds(_scale_shape(b, kh, s, bn), _F32),
+            sds(_scale_shape(b, kh, s, bn), _F32))
+  return jax.ffi.ffi_call(QUANT_TARGET, shapes, vmap_method="sequential")(
+      q, k, v, signs, fixed, block_q=np.int32(Q_BLOCK_ROWS),
+      block_kv=np.int32(bn), hadamard=np.int32(bool(hadamard)))
+
+
+def _fwd_kernel(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
+                out_dtype):
+  b, t, n, h = q8.shape
+  sds = jax.ShapeDtypeStruct
+  shapes = (sds(q8.shape, out_dtype), sds((b, n, t), _F32))
+  return jax.ffi.ffi_call(FWD_TARGET, shapes, vmap_method="sequential")(
+      q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale=np.float32(scale),
+      window_left=np.int32(wl), window_right=np.int32(wr))
+
+
+def quantize_qkv(q, k, v, *, block_scales=True, hadamard=True, seed=0,
+                 use_kernel=False):
+  """Q, K, V -> (q8, k8, v8, q_scale, k_scale, v_scale) in the kernel's
+  block layout; Q and K share the rotation, V gets scales only."""
+  h = q.shape[-1]
+  if hadamard:
+    _check_head_dim_pow2(h)
+  signs = hadamard_signs(h, seed) if hadamard else jnp.ones((h,), _F32)
+  if use_kernel:
+    none = jnp.zeros((0,), _F32)
+    out = _quantize_kernel(q, k, v, signs, none, hadamard)
+    if not block_scales:  # a second pass with the tensor-wide scales
+      fixed = jnp.stack([jnp.max(out[3]), jnp.max(out[4]), jnp.max(out[5])])
+      out = _quantize_kernel(q, k, v, signs, fixed, hadamard)
+    return out
+  bn = kv_block_rows(h)
+  kw = dict(per_tensor=not block_scales)
+  q8, qs = quantize_fp8(q, block_rows=Q_BLOCK_ROWS, hadamard=hadamard,
+                        signs=signs, **kw)
+  k8, ks = quantize_fp8(k, block_rows=bn, hadamard=hadamard, signs=signs, **kw)
+  v8, vs = quantize_fp8(v, block_rows=bn, **kw)
+  return q8, k8, v8, qs, ks, vs
+
+
+def _check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
+  arrs = [V.as_array(x, name) for x, name in
+          ((q8, "query"), (k8, "key"), (v8, "value"))]
+  if any(x.dtype != np.dtype(_E4M3) for x in arrs):
+    raise ValueError("attention_fp8 needs float8_e4m3fn query/key/value, got "
+                     f"{[str(x.dtype) for x in arrs]}")
+  q8, k8, v8 = V.check_qkv(*arrs)
+  b, t, n, h = q8.shape
+  s, kh = k8.shape[1], k8.shape[2]
+  bn = kv_block_rows(h)
+  want = {"q_scale": (q_scale, _scale_shape(b, n, t, Q_BLOCK_ROWS)),
+          "k_scale": (k_scale, _scale_shape(b, kh, s, bn)),
+          "v_scale": (v_scale, _scale_shape(b, kh, s, bn))}
+  out = []
+  for name, (x, shape) in want.items():
+    x = V.as_array(x, name)
+    if x.shape != shape or x.dtype != np.dtype(_F32):
+      raise ValueError(f"{name} must be float32 of shape {shape} (one scale "
+                       f"per kernel block), got {x.dtype} {x.shape}")
+    out.append(x)
+  return (q8, k8, v8, *out)
+
+
+def attention_fp8(query, key, value, q_scale, k_scale, v_scale, *,
+                  scale=None, is_causal=False, local_window_size=None,
+                  query_seq_lengths=None, key_value_seq_lengths=None,
+                  out_dtype=jnp.bfloat16, implementation=None):
+  """Attention on already quantized e4m3 inputs (e.g. an FP8 KV cache).
+
+  ``query [B, T, N, H]``, ``key/value [B, S, K, H]`` float8_e4m3fn; scales
+  in the layout of the module docstring (:func:`quantize_fp8` makes them).
+  If Q and K were rotated, they must share the signs (``QK^T`` is then
+  unchanged).  Returns ``out_dtype`` (bfloat16 or float16).  Not
+  differentiable.
+  """
+  q8, k8, v8, qs, ks, vs = _check_fp8_operands(query, key, value, q_scale,
+                                               k_scale, v_scale)
+  b, t, n, h = q8.shape
+  out_dtype = np.dtype(out_dtype)
+  if out_dtype not in V.KERNEL_DTYPES:
+    raise ValueError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
+  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b)
+  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
+                                "key_value_seq_lengths", b)
+  window = V.check_window(local_window_size)
+  scale = V.check_scale(scale, h)
+  is_causal = V.check_is_causal(is_causal)
+  V.check_implementation(implementation, (None, "fa3", "reference"))
+  wl, wr = (-1, -1) if window is None else window
+  if is_causal:
+    wr = 0 if wr < 0 else min(wr, 0)
+  out, _ = _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
+                     out_dtype, implementation)
+  return out
+
+
+def _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
+              out_dtype, implementation):
+  b, t, n, h = q8.shape
+  s = k8.shape[1]
+  blocker = fp8_kernel_blocker(out_dtype, h)
+  if implementation == "fa3" and blocker is not None:
+    raise ValueError(f"implementation='fa3' is not possible: {blocker}")
+  if implementation != "reference" and blocker is None:
+    ql = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens
+    kl = jnp.full((b,), s, jnp.int32) if kv_lens is None else kv_lens
+    return _fwd_kernel(q8, k8, v8, qs, ks, vs, ql, kl, scale, wl, wr,
+                       out_dtype)
+  return emulate_fp8_attention(q8, k8, v8, qs, ks, vs, scale=scale,
+                               q_lens=q_lens, kv_lens=kv_lens, window_left=wl,
+                               window_right=wr, out_dtype=out_dtype)
+
+
+def check_fp8_options(block_scales, hadamard, seed):
+  for name, x in (("fp8_block_scales", block_scales),
+                  ("fp8_hadamard", hadamard)):
+    if not isinstance(x, (bool, np.bool_)):
+      raise ValueError(f"{name} must be a bool, got {x!r}")
+  if not V._is_int(seed):
+    raise ValueError(f"fp8_seed must be an int, got {seed!r}")
+  return bool(block_scales), bool(hadamard), int(seed)
+
+
+def fp8_attention(q, k, v, q_lens, kv_lens, *, scale, softcap, wl, wr,
+                  block_scales, hadamard, seed, implementation, bf16_core):
+  """precision='fp8' path of :func:`jax_fa3.attention` (validated inputs).
+
+  ``bf16_core(q, k, v) -> out`` is the ordinary attention with the same
+  arguments: it gives the straight-through backward."""
+  h = q.shape[-1]
+  if softcap:
+    raise ValueError("softcap is not supported with precision='fp8'")
+  if np.dtype(q.dtype) not in V.KERNEL_DTYPES:
+    raise ValueError(f"precision='fp8' needs bfloat16 or float16 inputs, got "
+                     f"{q.dtype}")
+  if hadamard:
+    _check_head_dim_pow2(h)
+  blocker = fp8_kernel_blocker(q.dtype, h)
+  if implementation == "fa3" and blocker is not None:
+    raise ValueError(f"implementation='fa3' is not possible: {blocker}")
+  use_kernel = implementation != "reference" and blocker is None
+  impl = "fa3" if use_kernel else "reference"
+
+  def forward(q, k, v):
+    q8, k8, v8, qs, ks, vs = quantize_qkv(
+        q, k, v, block_scales=block_scales, hadamard=hadamard, seed=seed,
+        use_kernel=use_kernel)
+    out, _ = _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
+                       wr, q.dtype, impl)
+    return out
+
+  @jax.custom_vjp
+  def f(q, k, v):
+    return forward(q, k, v)
+
+  def f_fwd(q, k, v):
+    return forward(q, k, v), (q, k, v)
+
+  def f_bwd(res, g):
+    _, vjp = jax.vjp(bf16_core, *res)
+    return vjp(g)
+
+  f.defvjp(f_fwd, f_bwd)
+  return f(q, k, v)

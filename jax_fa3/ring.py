@@ -1,0 +1,355 @@
+"""Ring attention (context parallelism) over a mesh axis, for ``shard_map``.
+
+The sequence axis of q, k and v is split over ``axis_name`` (``P`` devices).
+Each device keeps its query shard; K/V shards travel around the ring with
+``lax.ppermute`` (device ``r`` sends to ``r + 1``), so at step ``s`` device
+``r`` holds the K/V shard of device ``r - s``.  The next rotation is issued
+before the local attention of the current step so that XLA can overlap the
+transfer with the kernel.  Per-step partial outputs are merged exactly through
+their log-sum-exp (``primitives.fa3_fwd`` returns ``lse = +inf`` for a row that
+sees no key; such a partial contributes nothing).
+
+Layouts (``layout=``):
+
+* ``"contiguous"``: device ``r`` holds global positions ``[r*c, (r+1)*c)``.
+  Causal attention then does ``r + 1`` blocks of work on device ``r`` -- correct
+  but unbalanced.
+* ``"zigzag"``: the sequence is cut into ``2P`` chunks of ``c`` and device ``r``
+  holds chunks ``r`` and ``2P-1-r`` (see :func:`to_zigzag` /
+  :func:`from_zigzag`).  Every causal step is then the same amount of work:
+  step 0 is the local causal diagonal (top-left causal on the concatenated
+  local ``2c`` rows is exactly right), and every later step is either "all my
+  rows vs the first half of the visiting K/V" or "my second half rows vs all of
+  the visiting K/V".
+
+Sequence lengths are global (``int32[B]``, replicated over ``axis_name``): in
+both layouts the valid positions of any local piece form a prefix of it, so
+they map onto the kernel's per-batch lengths.
+
+The backward (its own ``custom_vjp``) rotates K/V together with the dK/dV
+accumulators (fp32), calling ``primitives.fa3_bwd`` per step with the GLOBAL
+``out`` and ``lse``; after ``P`` rotations each accumulator is home.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_fa3 import _native, _validate as V, primitives, reference
+
+__all__ = ["ring_attention", "to_zigzag", "from_zigzag", "LAYOUTS"]
+
+LAYOUTS = ("contiguous", "zigzag")
+_F32 = jnp.float32
+
+
+# ------------------------------------------------------------ layout helpers
+def _zigzag_perm(n, p):
+  if n % (2 * p):
+    raise ValueError(f"zigzag layout needs the sequence length ({n}) to be a "
+                     f"multiple of 2 * axis size ({2 * p})")
+  c = n // (2 * p)
+  order = []
+  for r in range(p):
+    order += [r, 2 * p - 1 - r]
+  return np.concatenate([np.arange(i * c, (i + 1) * c) for i in order])
+
+
+def to_zigzag(x, num_shards, axis=1):
+  """Permutes a global sequence axis into the zig-zag layout.
+
+  After this, splitting ``axis`` into ``num_shards`` contiguous shards gives
+  device ``r`` the chunks ``r`` and ``2*num_shards-1-r``.
+  """
+  perm = _zigzag_perm(x.shape[axis], num_shards)
+  return jnp.take(x, jnp.asarray(perm), axis=axis)
+
+
+def from_zigzag(x, num_shards, axis=1):
+  """Inverse of :func:`to_zigzag`."""
+  perm = _zigzag_perm(x.shape[axis], num_shards)
+  return jnp.take(x, jnp.asarray(np.argsort(perm)), axis=axis)
+
+
+# ------------------------------------------------------------ local kernels
+def _kernel_fns(dtype, head_dim, implementation):
+  """(fwd, bwd) taking (..., q_lens, kv_lens, **attrs): kernel or reference."""
+  blocker = V.kernel_blocker(dtype, head_dim, _native)
+  if implementation == "fa3" and blocker is not None:
+    raise ValueError(f"implementation='fa3' is not possible: {blocker}")
+  if implementation == "fa3" or (implementation is None and blocker is None):
+    return primitives.fa3_fwd, primitives.fa3_bwd
+  return reference.attention_fwd, reference.attention_bwd
+
+
+def _piece_len(lens, chunk, c):
+  """Valid rows of chunk index ``chunk`` (traced) of size ``c``."""
+  return jnp.clip(lens - chunk * c, 0, c).astype(jnp.int32)
+
+
+class _Plan:
+  """Static ring geometry plus the traced position of this device."""
+
+  def __init__(self, axis_name, n_dev, layout, causal, t_local, s_local):
+    self.axis, self.P, self.layout, self.causal = axis_name, n_dev, layout, causal
+    self.idx = lax.axis_index(axis_name)
+    zz = layout == "zigzag"
+    if zz and (t_local % 2 or s_local % 2):
+      raise ValueError("zigzag layout needs even local sequence lengths, got "
+                       f"{t_local} (q) and {s_local} (kv)")
+    self.cq = t_local // 2 if zz else t_local
+    self.ck = s_local // 2 if zz else s_local
+
+  def chunks(self, r):
+    return (r, 2 * self.P - 1 - r) if self.layout == "zigzag" else (r,)
+
+  def lens(self, lens, r, c, which=None):
+    """Global lens -> valid prefix of device r's local piece (or one chunk)."""
+    ch = self.chunks(r)
+    if which is not None:
+      ch = (ch[which],)
+    return sum(_piece_len(lens, x, c) for x in ch)
+
+  def src(self, s):
+    return (self.idx - s) % self.P
+
+  def rotate(self, x):
+    perm = [(r, (r + 1) % self.P) for r in range(self.P)]
+    return lax.ppermute(x, self.axis, perm)
+
+
+def _steps(plan, s):
+  """The case of step ``s``: ``(kind, None)`` when static, else
+  ``("cond", (pred, kind_if_true, kind_if_false))``.
+
+  Kinds: "full" (all rows vs all visiting keys), "diag" (causal diagonal),
+  "kv_first" (all rows vs the first K/V half), "q_second" (second-half rows vs
+  all keys), "skip" (nothing visible).
+  """
+  j = plan.src(s)
+  i = plan.idx
+  if not plan.causal:
+    return ("full", None)
+  if s == 0:
+    return ("diag", None)
+  if plan.layout == "contiguous":
+    return ("cond", (j < i, "full", "skip"))
+  return ("cond", (j < i, "kv_first", "q_second"))
+
+
+def _fwd_case(kind, plan, fwd, q, k, v, q_lens, kv_lens, j, attrs):
+  B, T, N, H = q.shape
+  i, cq, ck = plan.idx, plan.cq, plan.ck
+  full_q = plan.lens(q_lens, i, cq)
+  full_k = plan.lens(kv_lens, j, ck)
+  if kind == "skip":
+    return jnp.zeros(q.shape, q.dtype), jnp.full((B, N, T), jnp.inf, _F32)
+  if kind in ("full", "diag"):
+    wr = 0 if kind == "diag" else -1
+    return fwd(q, k, v, full_q, full_k, **attrs, window_left=-1,
+               window_right=wr)
+  if kind == "kv_first":
+    return fwd(q, k[:, :ck], v[:, :ck], full_q,
+               plan.lens(kv_lens, j, ck, which=0), **attrs, window_left=-1,
+               window_right=-1)
+  # q_second: rows of the later chunk see every visiting key.
+  o, l = fwd(q[:, cq:], k, v, plan.lens(q_lens, i, cq, which=1), full_k,
+             **attrs, window_left=-1, window_right=-1)
+  o = jnp.concatenate([jnp.zeros_like(o), o], axis=1)
+  l = jnp.concatenate([jnp.full_like(l, jnp.inf), l], axis=2)
+  return o, l
+
+
+def _run_case(step, fn, refs):
+  """Runs the step's case; ``refs`` type every result as varying over the
+  same manual axes (shard_map's check_vma: cond branches and loop-carried
+  accumulators must agree)."""
+  tag, arg = step
+  typed = lambda kind: reference._varying_like(fn(kind), *refs)
+  if tag != "cond":
+    return typed(tag)
+  pred, a, b = arg
+  return lax.cond(pred, lambda: typed(a), lambda: typed(b))
+
+
+def _merge(o, l, o_s, l_s):
+  """Exact log-sum-exp merge; ``l`` uses -inf for "no key yet"."""
+  l_s = jnp.where(l_s == jnp.inf, -jnp.inf, l_s)
+  l_new = jnp.logaddexp(l, l_s)
+  safe = jnp.where(jnp.isfinite(l_new), l_new, 0.0)
+  wa = jnp.swapaxes(jnp.exp(l - safe), 1, 2)[..., None]
+  wb = jnp.swapaxes(jnp.exp(l_s - safe), 1, 2)[..., None]
+  return o * wa + o_s.astype(_F32) * wb, l_new
+
+
+def _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
+              attrs, fns):
+  fwd = fns[0]
+  plan = _Plan(axis_name, n_dev, layout, causal, q.shape[1], k.shape[1])
+  B, T, N, H = q.shape
+  refs = (q, k, v, q_lens, kv_lens, plan.idx)
+  o, l = reference._varying_like(
+      (jnp.zeros(q.shape, _F32), jnp.full((B, N, T), -jnp.inf, _F32)), *refs)
+  kc, vc = k, v
+  for s in range(n_dev):
+    if s + 1 < n_dev:  # issue the next transfer before this step's kernel
+      kn, vn = plan.rotate(kc), plan.rotate(vc)
+    j = plan.src(s)
+    o_s, l_s = _run_case(
+        _steps(plan, s),
+        lambda kind: _fwd_case(kind, plan, fwd, q, kc, vc, q_lens, kv_lens, j,
+                               attrs), refs)
+    o, l = _merge(o, l, o_s, l_s)
+    if s + 1 < n_dev:
+      kc, vc = kn, vn
+  lse = jnp.where(jnp.isfinite(l), l, jnp.inf)
+  return o.astype(q.dtype), lse
+
+
+def _bwd_case(kind, plan, bwd, q, k, v, out, lse, dout, q_lens, kv_lens, j,
+              attrs):
+  i, cq, ck = plan.idx, plan.cq, plan.ck
+  full_q = plan.lens(q_lens, i, cq)
+  full_k = plan.lens(kv_lens, j, ck)
+  f32 = lambda *xs: tuple(x.astype(_F32) for x in xs)
+  if kind == "skip":
+    return (jnp.zeros(q.shape, _F32), jnp.zeros(k.shape, _F32),
+            jnp.zeros(v.shape, _F32))
+  if kind in ("full", "diag"):
+    wr = 0 if kind == "diag" else -1
+    return f32(*bwd(q, k, v, out, lse, dout, full_q, full_k, **attrs,
+                    window_left=-1, window_right=wr))
+  if kind == "kv_first":
+    dq, dk, dv = f32(*bwd(q, k[:, :ck], v[:, :ck], out, lse, dout, full_q,
+                          plan.lens(kv_lens, j, ck, which=0), **attrs,
+                          window_left=-1, window_right=-1))
+    pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
+    return dq, pad(dk), pad(dv)
+  dq, dk, dv = f32(*bwd(q[:, cq:], k, v, out[:, cq:], lse[..., cq:],
+                        dout[:, cq:], plan.lens(q_lens, i, cq, which=1),
+                        full_k, **attrs, window_left=-1, window_right=-1))
+  return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+
+
+def _ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
+              layout, causal, attrs, fns):
+  bwd = fns[1]
+  plan = _Plan(axis_name, n_dev, layout, causal, q.shape[1], k.shape[1])
+  dout = dout.astype(out.dtype)
+  refs = (q, k, v, out, lse, dout, q_lens, kv_lens, plan.idx)
+  dq, dk, dv = reference._varying_like(
+      (jnp.zeros(q.shape, _F32), jnp.zeros(k.shape, _F32),
+       jnp.zeros(v.shape, _F32)), *refs)
+  kc, vc = k, v
+  for s in range(n_dev):
+    if s + 1 < n_dev:
+      kn, vn = plan.rotate(kc), plan.rotate(vc)
+    j = plan.src(s)
+    dq_s, dk_s, dv_s = _run_case(
+        _steps(plan, s),
+        lambda kind: _bwd_case(kind, plan, bwd, q, kc, vc, out, lse, dout,
+                               q_lens, kv_lens, j, attrs), refs)
+    dq = dq + dq_s
+    # The accumulators travel with the K/V block they belong to; after the
+    # P-th rotation each one is back on its owner.
+    dk, dv = plan.rotate(dk + dk_s), plan.rotate(dv + dv_s)
+    if s + 1 < n_dev:
+      kc, vc = kn, vn
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ---------------------------------------------------------------- custom_vjp
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _ring(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal, attrs,
+          impl):
+  return _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
+                   dict(attrs), _kernel_fns(q.dtype, q.shape[-1], impl))
+
+
+def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
+                  attrs, impl):
+  out, lse = _ring(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
+                   attrs, impl)
+  return (out, lse), (q, k, v, out, lse, q_lens, kv_lens)
+
+
+def _ring_vjp_bwd(axis_name, n_dev, layout, causal, attrs, impl, res, cts):
+  q, k, v, out, lse, q_lens, kv_lens = res
+  dout, _ = cts
+  dq, dk, dv = _ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name,
+                         n_dev, layout, causal, dict(attrs),
+                         _kernel_fns(q.dtype, q.shape[-1], impl))
+  return dq, dk, dv, None, None
+
+
+_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
+
+
+def _axis_size(axis_name):
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  n = 1
+  for a in names:
+    n *= lax.axis_size(a)
+  return int(n)
+
+
+def ring_attention(query, key, value, *, axis_name, is_causal=False,
+                   layout="contiguous", scale=None, softcap=None,
+                   query_seq_lengths=None, key_value_seq_lengths=None,
+                   implementation=None, return_lse=False):
+  """Ring attention for use inside ``shard_map`` (sequence split over ``axis_name``).
+
+  Args:
+    query: local shard ``[B, T/P, N, H]``; key, value: ``[B, S/P, K, H]``
+      (GQA as in :func:`jax_fa3.attention`).  All devices on the ring must
+      hold equal-length shards.
+    axis_name: the mesh axis (or tuple of axes) the sequence is split over.
+    is_causal: top-left causal over the GLOBAL positions (needs T == S).
+    layout: ``"contiguous"`` (device r holds the r-th slice) or ``"zigzag"``
+      (device r holds chunks r and 2P-1-r; build it with :func:`to_zigzag`).
+      Zigzag balances causal work; for non-causal both are equally fast.
+    scale, softcap: as in :func:`jax_fa3.attention`.
+    query_seq_lengths, key_value_seq_lengths: optional GLOBAL ``int32[B]``
+      lengths (identical on every device of the ring).
+    implementation: None (kernel when supported, else the reference), "fa3"
+      or "reference".
+    return_lse: also return the global log-sum-exp ``f32 [B, N, T/P]``
+      (``+inf`` for rows that see no key; not differentiable).
+
+  Local windows are not supported (ValueError).
+  """
+  q, k, v = V.check_qkv(query, key, value)
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  is_causal = V.check_is_causal(is_causal)
+  if is_causal and T != S:
+    raise ValueError("causal ring attention needs equal query and key/value "
+                     f"shard lengths, got {T} and {S}")
+  V.check_implementation(implementation, (None, "fa3", "reference"))
+  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
+  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
+                                "key_value_seq_lengths", B)
+  try:
+    n_dev = _axis_size(axis_name)
+  except (NameError, KeyError, ValueError) as e:
+    raise ValueError(f"ring_attention must run inside shard_map/pmap with "
+                     f"axis {axis_name!r} bound: {e}") from e
+  if layout == "zigzag" and (T % 2 or S % 2):
+    raise ValueError("zigzag layout needs even local sequence lengths, got "
+                     f"{T} (q) and {S} (kv)")
+  T_glob, S_glob = T * n_dev, S * n_dev
+  q_lens = (jnp.full((B,), T_glob, jnp.int32) if q_lens is None
+            else jnp.minimum(q_lens, T_glob))
+  kv_lens = (jnp.full((B,), S_glob, jnp.int32) if kv_lens is None
+             else jnp.minimum(kv_lens, S_glob))
+  attrs = (("scale", float(V.check_scale(scale, H))),
+           ("softcap", float(V.check_softcap(softcap))))
+  out, lse = _ring(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout,
+                   is_causal, attrs, implementation)
+  return (out, lse) if return_lse else out
