@@ -50,7 +50,9 @@ def _parse(argv, on_gpu):
   ap.add_argument("--vocab", type=int, default=256 if g else 64)
   ap.add_argument("--period", type=int, default=64 if g else 16,
                   help="length of the repeated random block (copy task)")
-  ap.add_argument("--lr", type=float, default=2e-3 if g else 1e-2)
+  # GPU: 2e-3 spiked the loss above log(vocab) in the first steps at d_model 2048
+  # (H200, 2026-11-29); 5e-4 is the usual range for this width.
+  ap.add_argument("--lr", type=float, default=5e-4 if g else 1e-2)
   ap.add_argument("--dtype", default="bfloat16" if g else "float32",
                   choices=["bfloat16", "float16", "float32"],
                   help="activation/attention dtype (params are fp32)")
