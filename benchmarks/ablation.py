@@ -18,6 +18,7 @@ VARIANTS = [
     ("no_overlap", "no intra-warpgroup overlap"),
     ("no_overlap_no_pingpong", "warp specialization only"),
     ("static_grid", "everything, static grid instead of persistent scheduler"),
+    ("no_warp_specialization", "ping-pong + overlap, but no producer warpgroup (a consumer thread loads)"),
 ]
 # (variant, head dim) pairs beyond d128
 EXTRA = [("default", 256, "d256: everything"), ("no_overlap", 256, "d256: no intra-WG overlap")]
@@ -28,6 +29,7 @@ def main():
   ap.add_argument("--seqlens", default="8k")
   ap.add_argument("--causal", default="both")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
+  ap.add_argument("--timeout", type=float, default=300, help="seconds per variant")
   args = ap.parse_args()
   here = os.path.dirname(os.path.abspath(__file__))
   rows = []
@@ -36,7 +38,11 @@ def main():
     env = dict(os.environ, JAX_FA3_FWD_VARIANT=variant)
     cmd = [sys.executable, os.path.join(here, "bench.py"), "--hdims", str(hdim), "--seqlens", args.seqlens,
            "--causal", args.causal, "--modes", "fwd", "--impls", "fa3,cudnn", "--no-plot", "--out", out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:  # an untested variant must not hang the whole ablation
+      proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+      print(f"{variant}: timed out after {args.timeout} s")
+      continue
     if proc.returncode != 0:
       print(f"{variant}: bench failed\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
       continue

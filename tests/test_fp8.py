@@ -199,3 +199,22 @@ def test_validation_errors():
     jax_fa3.attention_fp8(q8, k8, k8, qs, ks, ks, out_dtype=F32)
   with pytest.raises(ValueError, match="block_rows"):
     jax_fa3.quantize_fp8(q, block_rows=0)
+
+
+def test_fp8_kernel_is_opt_in(monkeypatch):
+  monkeypatch.delenv(fp8.KERNEL_ENV, raising=False)
+  assert not fp8.fp8_kernel_enabled()
+  assert fp8.KERNEL_ENV in fp8.fp8_kernel_blocker(jnp.bfloat16, 128)
+  for on in ("1", "true"):
+    monkeypatch.setenv(fp8.KERNEL_ENV, on)
+    assert fp8.fp8_kernel_enabled()
+  monkeypatch.setenv(fp8.KERNEL_ENV, "0")
+  assert not fp8.fp8_kernel_enabled()
+
+
+def test_fp8_emulation_pins_its_e4m3_roundings():
+  # XLA:GPU may fold an f32 -> e4m3 -> f32 round trip inside one jit; the
+  # emulation keeps its roundings behind optimization barriers.
+  q = jnp.ones((1, 8, 1, 64), jnp.bfloat16)
+  hlo = jax.jit(lambda q: jax_fa3.attention(q, q, q, precision="fp8")).lower(q).as_text()
+  assert hlo.count("optimization_barrier") >= 4, hlo.count("optimization_barrier")

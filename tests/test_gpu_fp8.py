@@ -1,6 +1,11 @@
 """GPU tests of the FP8 kernels (issue 5): the fused quantize pre-pass and the
 FP8 forward (QGMMA), against host NumPy float64 references.
 
+The FP8 attention kernel hung on the H200 in session 2 and is opt-in
+(``JAX_FA3_FP8_KERNEL=1``): without the variable the kernel-core test skips
+and the end-to-end tests run the default path (the pure-JAX emulation, on
+the GPU).  The quantize pre-pass tests always run (they passed, 18/18).
+
 Tolerances (stated, FA3-style "no worse than an emulation of the same
 method", plus a small atol):
 
@@ -38,6 +43,12 @@ pytestmark = pytest.mark.gpu
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 DIMS = sorted({h for _, h in fp8.compiled_fp8_configs()}) or [128]
+KERNEL = fp8.fp8_kernel_enabled()
+# The path attention(precision="fp8") takes: the kernel only when opted in.
+IMPL = "fa3" if KERNEL else None
+needs_kernel = pytest.mark.skipif(
+    not KERNEL, reason=f"the FP8 attention kernel is opt-in ({fp8.KERNEL_ENV}=1): "
+    "it hung on the H200 in session 2")
 
 
 def _rmse(a, b):
@@ -133,6 +144,7 @@ CORE_CASES = [
 ]
 
 
+@needs_kernel
 @pytest.mark.parametrize("h", DIMS)
 @pytest.mark.parametrize("case", CORE_CASES, ids=str)
 def test_fp8_kernel_core(h, case):
@@ -170,7 +182,7 @@ def test_fp8_kernel_core(h, case):
 def test_fp8_end_to_end(h, dtype, causal):
   q, k, v = make_inputs(seed_of(h, dtype, causal), 2, 640, 700, 4, 2, h, dtype)
   f = jax.jit(lambda q, k, v: jax_fa3.attention(
-      q, k, v, is_causal=causal, precision="fp8", implementation="fa3"))
+      q, k, v, is_causal=causal, precision="fp8", implementation=IMPL))
   out = np.asarray(f(q, k, v)).astype(np.float32)
   assert np.all(np.isfinite(out))
   ref64 = np.asarray(attention_refs(q, k, v, causal=causal, same=False).ref64)
@@ -203,7 +215,7 @@ def test_fp8_outliers_ordering_and_no_nan():
     for hd in (False, True):
       f = jax.jit(lambda q, k, v, bs=bs, hd=hd: jax_fa3.attention(
           q, k, v, precision="fp8", fp8_block_scales=bs, fp8_hadamard=hd,
-          implementation="fa3"))
+          implementation=IMPL))
       out = np.asarray(f(q, k, v)).astype(np.float32)
       assert np.all(np.isfinite(out)), (bs, hd)
       err[bs, hd] = _rmse(out, ref64)
@@ -224,3 +236,15 @@ def test_fp8_grad_runs_straight_through():
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.all(np.isfinite(a))
     assert _rmse(a, b) < 0.1 * np.sqrt(np.mean(b ** 2)) + 1e-3
+
+
+def test_fp8_default_path_launches_no_fp8_kernel():
+  """The gate: without the opt-in, precision='fp8' lowers to XLA ops only."""
+  if KERNEL:
+    pytest.skip(f"{fp8.KERNEL_ENV} is set")
+  q, k, v = make_inputs(seed_of("gate"), 1, 256, 256, 2, 2, 128, "bfloat16")
+  hlo = jax.jit(lambda q, k, v: jax_fa3.attention(
+      q, k, v, precision="fp8")).lower(q, k, v).as_text()
+  assert fp8.FWD_TARGET not in hlo and fp8.QUANT_TARGET not in hlo
+  with pytest.raises(ValueError, match=fp8.KERNEL_ENV):
+    jax_fa3.attention(q, k, v, precision="fp8", implementation="fa3")

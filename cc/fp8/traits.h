@@ -36,10 +36,19 @@ struct Fp8FwdTraits {
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   // Warps 1..3 of the producer warpgroup transpose V (warp 0 issues TMA).
   static constexpr int kNumTransposeThreads = 3 * 32;
-  // setmaxnreg: producer + 2 consumers must fit 65536 registers
-  // (48 * 128 + 232 * 256 = 65536; at 40 the transposer spilled its loop state).
-  static constexpr int kProducerRegs = HeadDim >= 256 ? 32 : 48;
+  // setmaxnreg budgets. The CTA starts at 168 regs/thread (65536 / 384 rounded
+  // down to a multiple of 8) and setmaxnreg only moves registers inside that
+  // pool: the producer's release (168 - P) * 128 must cover the consumers'
+  // raise (C - 168) * 256, i.e. P + 2 C <= 504. (Session 2 had 48/232 and
+  // 32/240, 512: the consumers' setmaxnreg.inc waited forever for 1024
+  // registers -- the GPU hang.) d256 takes the forward's 24/240; below it
+  // 40/232 (the transposer spilled some loop state at 40).
+  static constexpr int kProducerRegs = HeadDim >= 256 ? 24 : 40;
   static constexpr int kConsumerRegs = HeadDim >= 256 ? 240 : 232;
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
+  static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <=
+                    (65536 / kNumThreads) / 8 * 8 * kNumThreads,
+                "setmaxnreg budgets exceed the CTA's launch register pool: the kernel would hang");
 
   using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
   // S = Q K^T: SS QGMMA, both K-major. FP32 accumulation on purpose: an F16

@@ -48,11 +48,14 @@ struct ConsumerMainloop {
 
   // Runs the tile's K/V blocks; acc_o ends unnormalized in softmax's frame.
   // Returns after the last S GEMM has retired, so the caller may release Q.
-  template <class PipelineKV, class StateKV, class TO>
+  // on_v_free() runs after every release of a K/V stage (K's was released
+  // earlier): a no-op in the warp-specialized kernel; without warp
+  // specialization it is where a consumer thread issues the next loads.
+  template <class PipelineKV, class StateKV, class TO, class OnVFree>
   CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
                        const TileMask<kBlockM, kBlockN>& mask, bool softcap, float raw_to_x,
                        PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
-                       Softmax& softmax, TO& acc_o) {
+                       Softmax& softmax, TO& acc_o, OnVFree& on_v_free) {
     if (mask.empty()) { return; }
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
@@ -98,6 +101,7 @@ struct ConsumerMainloop {
         softmax.max_and_exp(tSrS, correction);
         warpgroup_wait<0>();  // P.V retired: O and the P registers are free
         pipe_v.consumer_release(state_v);
+        on_v_free();
         Softmax::rescale(acc_o, correction);
         convert_into(tSrS, tOrP);
         state_v = state_kv;
@@ -109,6 +113,7 @@ struct ConsumerMainloop {
       pingpong.pass_turn();
       warpgroup_wait<0>();
       pipe_v.consumer_release(state_v);
+      on_v_free();
     } else {
       // Sequential: each block's P.V completes before the next S is issued.
       for (;;) {
@@ -118,6 +123,7 @@ struct ConsumerMainloop {
         pingpong.pass_turn();
         warpgroup_wait<0>();
         pipe_v.consumer_release(state_kv);
+        on_v_free();
         ++state_kv;
         if (--n_block < mask.n_block_min) { break; }
         pipe_k.consumer_wait(state_kv);

@@ -33,9 +33,12 @@ template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlo
 // The overlap switches exist for the ablation in benchmarks/RESULTS.md; the
 // default instantiation takes FwdTileConfig's choice and ping-pong on.
 template <class Element_, int HeadDim, bool IntraWGOverlap = FwdTileConfig<HeadDim>::kIntraWGOverlap,
-          bool PingPong = true>
+          bool PingPong = true, bool WarpSpecialized = true>
 struct FwdTraits {
   using Element = Element_;
+  // false only for the ablation: no producer warpgroup, a consumer thread
+  // issues the TMA loads between its own GEMMs (kernel.h, InlineLoader).
+  static constexpr bool kWarpSpecialized = WarpSpecialized;
   static constexpr bool kIntraWGOverlap = IntraWGOverlap;
   static constexpr bool kPingPong = PingPong;
   using ElementAccum = float;
@@ -48,7 +51,7 @@ struct FwdTraits {
   // consumer warpgroups, each owning 64 rows of the Q tile.
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
-  static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kNumThreads = kNumMmaThreads + (WarpSpecialized ? cutlass::NumThreadsPerWarpGroup : 0);
   // setmaxnreg budgets. The CTA starts at 168 regs/thread (65536 / 384); the
   // pool freed by the producer (168 - P) * 128 must cover the consumers' raise
   // (C - 168) * 256. P = 32 keeps the producer's TMA loop spill-free; head dims
@@ -58,6 +61,13 @@ struct FwdTraits {
   // P = 24, C = 160: 24 * 128 + 160 * 384 <= 65536.
   static constexpr int kProducerRegs = (kNumMmaWarpGroups == 3 || HeadDim >= 192) ? 24 : 32;
   static constexpr int kConsumerRegs = kNumMmaWarpGroups == 3 ? 160 : HeadDim >= 192 ? 240 : 232;
+  // setmaxnreg only moves registers inside the CTA's pool (launch-bound
+  // registers x threads): a larger total makes the consumers' increase wait
+  // forever (the first FP8 kernel hung this way).
+  static constexpr int kLaunchRegs = (65536 / (kNumMmaThreads + cutlass::NumThreadsPerWarpGroup)) / 8 * 8;
+  static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <=
+                    kLaunchRegs * (kNumMmaThreads + cutlass::NumThreadsPerWarpGroup),
+                "setmaxnreg budgets exceed the CTA's register pool");
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;

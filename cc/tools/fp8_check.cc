@@ -11,6 +11,14 @@
 //     every element written (poison), NaN-free, bit-reproducible.
 //   jax_fa3_fp8_check --time B,T,N,D,CAUSAL [--iters 20]
 //     times the pre-pass and the kernel with CUDA events (no check).
+// Hang bisection (the kernel hung on the H200 in session 2): every launch is
+// bracketed by flushed "[fp8_check] ..." lines and waited for with a host
+// watchdog (polls the stream; exits with status 3 and "HANG in <stage>").
+//   --case N          only case N of the table below (per head dim)
+//   --stage prepass   stop after the pre-pass (and its check)
+//   --stage kernel    run the kernel too (default)
+//   --watchdog SEC    seconds before a launch counts as hung (default 20)
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -19,6 +27,9 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <chrono>
+#include <thread>
 
 #include <cuda_runtime_api.h>
 
@@ -67,6 +78,40 @@ uint8_t to_e4m3(float f) {
 }
 
 struct Case { int b, t, s, n, kh; bool causal; bool lens; };
+
+double g_watchdog_s = 20;
+bool g_prepass_only = false;
+
+// Waits for the default stream like cudaDeviceSynchronize, but gives up after
+// g_watchdog_s: a hung kernel then ends the process with a clear line instead
+// of a silent timeout (std::_Exit skips the CUDA teardown, which would wait).
+void wait_or_die(const char* what) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(nullptr);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) {
+      std::printf("[fp8_check] ERROR in %s: %s\n", what, cudaGetErrorString(e));
+      std::fflush(stdout);
+      std::_Exit(2);
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s > g_watchdog_s) {
+      std::printf("[fp8_check] HANG in %s: not finished after %.0f s\n", what, s);
+      std::fflush(stdout);
+      std::_Exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[fp8_check]   done %s (%.1f ms)\n", what, ms);
+  std::fflush(stdout);
+}
+
+void say(const char* what) {
+  std::printf("[fp8_check] launch %s\n", what);
+  std::fflush(stdout);
+}
 
 struct Buffers {
   void *q, *k, *v, *q8, *k8, *v8, *o; float *qs, *ks, *vs, *lse, *signs; int32_t *ql, *kl;
@@ -132,6 +177,10 @@ void host_rotate(const float* x, const float* signs, int d, double* y) {
 }
 
 bool run_case(const Case& c, int d, uint32_t seed) {
+  char tag[160];
+  std::snprintf(tag, sizeof tag, "d%d b%d t%d s%d n%d kh%d causal=%d lens=%d", d, c.b, c.t, c.s,
+                c.n, c.kh, int(c.causal), int(c.lens));
+  std::string what;
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
@@ -151,8 +200,10 @@ bool run_case(const Case& c, int d, uint32_t seed) {
   CHECK_CUDA(cudaMemcpy(m.kl, kvlen.data(), c.b * 4, cudaMemcpyHostToDevice));
 
   jax_fa3::QuantParams qp = quant_params(c, d, m);
+  what = std::string("pre-pass ") + tag;
+  say(what.c_str());
   CHECK_CUDA(cudaError_t(jax_fa3_fp8_quantize_launch(&qp, nullptr)));
-  CHECK_CUDA(cudaDeviceSynchronize());
+  wait_or_die(what.c_str());
 
   // --- pre-pass check; builds the dequantized tensors for the reference.
   bool ok = true;
@@ -190,16 +241,26 @@ bool run_case(const Case& c, int d, uint32_t seed) {
     mismatch_frac = std::max(mismatch_frac, double(mism) / double(n));
   }
   ok &= worst_scale < 1e-5 && mismatch_frac <= 2e-3;
+  if (g_prepass_only) {
+    std::printf("  %s: pre-pass scale rel err %.1e, e4m3 mismatch %.1e  %s\n", tag, worst_scale,
+                mismatch_frac, ok ? "ok" : "FAIL");
+    std::fflush(stdout);
+    release(m);
+    return ok;
+  }
 
   // --- attention kernel vs float64 attention of the dequantized inputs.
   jax_fa3::Fp8FwdParams fp = fwd_params(c, d, m);
   std::vector<uint16_t> out[2];
   for (int rep = 0; rep < 2; ++rep) {
     CHECK_CUDA(cudaMemset(m.o, 0xFF, nq * 2));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    what = std::string("kernel (rep ") + std::to_string(rep) + ") " + tag;
+    say(what.c_str());
     int err = jax_fa3_fp8_fwd_launch(&fp, 0, nullptr);
     if (err == -1) { std::printf("  d%d: no bf16-output FP8 kernel compiled\n", d); release(m); return true; }
     CHECK_CUDA(cudaError_t(err));
-    CHECK_CUDA(cudaDeviceSynchronize());
+    wait_or_die(what.c_str());
     out[rep].resize(nq);
     CHECK_CUDA(cudaMemcpy(out[rep].data(), m.o, nq * 2, cudaMemcpyDeviceToHost));
   }
@@ -252,6 +313,7 @@ bool run_case(const Case& c, int d, uint32_t seed) {
               "mismatch %.1e | kernel max err %.2e rmse %.2e (emulation %.2e, %.2e) nan=%d repro=%d  %s\n",
               d, c.b, c.t, c.s, c.n, c.kh, int(c.causal), int(c.lens), worst_scale, mismatch_frac,
               max_err, rmse, max_emu, rmse_emu, int(nan), int(repro), ok ? "ok" : "FAIL");
+  std::fflush(stdout);
   release(m);
   return ok;
 }
@@ -276,7 +338,12 @@ int time_shape(int b, int t, int n, int d, bool causal, int iters) {
     auto launch = [&] {
       return which == 0 ? jax_fa3_fp8_quantize_launch(&qp, nullptr) : jax_fa3_fp8_fwd_launch(&fp, 0, nullptr);
     };
-    for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaError_t(launch()));
+    for (int i = 0; i < 3; ++i) {
+      const std::string what = std::string(which == 0 ? "pre-pass" : "kernel") + " warm-up (timing)";
+      say(what.c_str());
+      CHECK_CUDA(cudaError_t(launch()));
+      wait_or_die(what.c_str());
+    }
     CHECK_CUDA(cudaEventRecord(e0));
     for (int i = 0; i < iters; ++i) launch();
     CHECK_CUDA(cudaEventRecord(e1));
@@ -296,10 +363,18 @@ int time_shape(int b, int t, int n, int d, bool causal, int iters) {
 
 int main(int argc, char** argv) {
   std::vector<int> hdims = {64, 128, 256};
-  int iters = 20;
+  int iters = 20, only_case = -1;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--hdims" && i + 1 < argc) {
+    if (a == "--case" && i + 1 < argc) {
+      only_case = std::atoi(argv[++i]);
+    } else if (a == "--stage" && i + 1 < argc) {
+      const std::string st = argv[++i];
+      if (st != "prepass" && st != "kernel") { std::fprintf(stderr, "--stage prepass|kernel\n"); return 2; }
+      g_prepass_only = st == "prepass";
+    } else if (a == "--watchdog" && i + 1 < argc) {
+      g_watchdog_s = std::atof(argv[++i]);
+    } else if (a == "--hdims" && i + 1 < argc) {
       hdims.clear();
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) hdims.push_back(std::atoi(tok));
     } else if (a == "--iters" && i + 1 < argc) {
@@ -317,7 +392,16 @@ int main(int argc, char** argv) {
   };
   bool ok = true;
   uint32_t seed = 1;
-  for (int d : hdims) for (const Case& c : cases) ok &= run_case(c, d, seed++);
+  const int num_cases = int(sizeof(cases) / sizeof(cases[0]));
+  if (only_case >= num_cases) { std::fprintf(stderr, "--case must be < %d\n", num_cases); return 2; }
+  for (int d : hdims) {
+    for (int ci = 0; ci < num_cases; ++ci, ++seed) {
+      if (only_case >= 0 && ci != only_case) continue;
+      std::printf("[fp8_check] case %d (d%d)\n", ci, d);
+      std::fflush(stdout);
+      ok &= run_case(cases[ci], d, seed);
+    }
+  }
   std::printf(ok ? "PASSED\n" : "FAILED\n");
   return ok ? 0 : 1;
 }
