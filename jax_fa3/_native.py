@@ -8,18 +8,53 @@ When present, its XLA FFI handlers are registered for the CUDA platform.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
+import sys
 import warnings
 
 import jax
 
-try:
-  _jax_fa3 = importlib.import_module("jax_fa3._jax_fa3")
-except ImportError as _e:  # extension not built (or not loadable)
-  _jax_fa3 = None
-  _IMPORT_ERROR: Exception | None = _e
-else:
-  _IMPORT_ERROR = None
+
+
+def _load_binding():
+  """Returns ``(module or None, ImportError or None)``.
+
+  Running from a source checkout (``python3 -m jax_fa3.demo`` in the repo root,
+  as the README does right after ``pip install .``) imports this directory,
+  which has no compiled binding, and shadows the installed package, which has
+  it: then the installed copy's binding is loaded from its directory (its
+  RPATH finds the kernel library next to it).
+  """
+  try:
+    return importlib.import_module("jax_fa3._jax_fa3"), None
+  except ImportError as e:
+    if getattr(e, "name", None) != "jax_fa3._jax_fa3":
+      return None, e  # built but not loadable
+    err = e
+  if os.environ.get("JAX_FA3_ONLY_LOCAL_BINDING", "") == "1":
+    return None, err  # tests: behave as if no binding were installed anywhere
+  here = os.path.dirname(os.path.abspath(__file__))
+  for entry in sys.path:
+    pkg = os.path.join(os.path.abspath(entry or os.getcwd()), "jax_fa3")
+    if pkg == here or not os.path.isdir(pkg):
+      continue
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+      path = os.path.join(pkg, "_jax_fa3" + suffix)
+      if os.path.isfile(path):
+        spec = importlib.util.spec_from_file_location("jax_fa3._jax_fa3", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+          spec.loader.exec_module(module)
+        except ImportError as e:
+          return None, e
+        sys.modules["jax_fa3._jax_fa3"] = module
+        return module, None
+  return None, err
+
+
+_jax_fa3, _IMPORT_ERROR = _load_binding()
 
 __all__ = ["available", "compiled_configs", "compiled_bwd_configs",
            "sm90_gpu_present"]

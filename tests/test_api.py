@@ -278,7 +278,8 @@ def test_error_messages_name_the_problem():
   q, k, v, _ = _rand(12, B=1, T=4, S=4, H=8)
   with pytest.raises(ValueError, match="dtype float32"):
     jax_fa3.attention(q, k, v, implementation="fa3")
-  with pytest.raises(ValueError, match="not built"):
+  # CPU: the binding is either absent or (installed) without an sm_90 GPU.
+  with pytest.raises(ValueError, match="not built|no sm_90"):
     jax_fa3.attention(q.astype(jnp.float16), k.astype(jnp.float16),
                       v.astype(jnp.float16), implementation="fa3")
   with pytest.raises(ValueError, match="query_seq_lengths"):
@@ -293,7 +294,6 @@ def test_error_messages_name_the_problem():
 def test_exports():
   assert jax_fa3.__version__ == "0.1.0"
   assert jax_fa3.kernels_available() is _native.available()
-  assert not jax_fa3.kernels_available()  # CPU CI: extension not built
 
 
 def _prims(jaxpr):

@@ -11,9 +11,13 @@ from jax_fa3 import _native
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(code, quiet):
+def _run(code, quiet, only_local=True):
+  # only_local: ignore a binding installed elsewhere (site-packages), so the
+  # "not built" behaviour is tested whatever this machine has installed.
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
              os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+  if only_local:
+    env["JAX_FA3_ONLY_LOCAL_BINDING"] = "1"
   env.pop("JAX_FA3_QUIET", None)
   if quiet:
     env["JAX_FA3_QUIET"] = "1"
@@ -25,10 +29,31 @@ def _run(code, quiet):
 
 
 def test_cpu_queries():
-  assert _native.available() is False
-  assert _native.compiled_configs() == frozenset()
+  # The binding may or may not be installed here (CI installs it, a source
+  # checkout alone has none); either way a CPU-only jax cannot use it.
+  if _native.available():
+    assert ("bfloat16", 128) in _native.compiled_configs()
+    assert _native.compiled_bwd_configs() <= _native.compiled_configs()
+  else:
+    assert _native.compiled_configs() == frozenset()
   assert _native.sm90_gpu_present() is False
-  assert jax_fa3.kernels_available() is False
+  assert jax_fa3.kernels_available() is _native.available()
+
+
+def test_installed_binding_found_from_source_checkout():
+  """`python3 -m jax_fa3.demo` in the repo root after `pip install .` imports the
+  source tree (no binding in it); the installed binding must still load."""
+  code = """
+      import os, jax_fa3, jax_fa3._native as n
+      here = os.path.dirname(jax_fa3.__file__)
+      if n.available():
+        print("binding from", os.path.dirname(n._jax_fa3.__file__), "source", here)
+      else:
+        print("no binding installed")
+  """
+  r = _run(code, quiet=True, only_local=False)
+  out = r.stdout.strip().splitlines()[-1]
+  assert out.startswith(("binding from", "no binding installed")), r.stdout + r.stderr
 
 
 def test_missing_extension_warns_once_unless_quiet():
