@@ -35,6 +35,7 @@ import functools
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -332,8 +333,11 @@ def make_inputs(shape: Shape, dtype, n_sets: int, seed: int = 0):
 
 
 def time_fn(fn, arg_sets, *, warmup: int, repeats: int, min_run_s: float,
-            max_iters: int) -> tuple[float, int]:
-  """Min over `repeats` of the mean time (s) of N back-to-back calls."""
+            max_iters: int, stat: str = "min") -> tuple[float, int]:
+  """Min (``stat="median"``: median) over `repeats` of the mean time (s) of N
+  back-to-back calls."""
+  if stat not in ("min", "median"):
+    raise ValueError(f"stat must be 'min' or 'median', got {stat!r}")
   import jax
   n = len(arg_sets)
   for i in range(max(1, warmup)):
@@ -342,16 +346,16 @@ def time_fn(fn, arg_sets, *, warmup: int, repeats: int, min_run_s: float,
   jax.block_until_ready(fn(*arg_sets[0]))
   est = max(time.perf_counter() - t0, 1e-6)
   iters = int(min(max_iters, max(3, math.ceil(min_run_s / est))))
-  best = float("inf")
+  runs = []
   for _ in range(repeats):
     out = None
     t0 = time.perf_counter()
     for i in range(iters):
       out = fn(*arg_sets[i % n])
     jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - t0) / iters)
+    runs.append((time.perf_counter() - t0) / iters)
     del out
-  return best, iters
+  return (min(runs) if stat == "min" else statistics.median(runs)), iters
 
 
 def _classify(e: BaseException) -> str | None:

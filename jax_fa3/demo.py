@@ -77,7 +77,7 @@ def _build(args, mesh, attention):
   import jax
   import jax.numpy as jnp
   import flax.linen as nn
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   import jax_fa3
 
@@ -108,6 +108,13 @@ def _build(args, mesh, attention):
                            out_specs=spec, check_vma=False)(q, k, v)
     if attention == "fa3":
       return jax_fa3.attention(q, k, v, is_causal=True)
+    if args.context > 1:
+      # jax.nn has no ring: gather the sequence (attention runs replicated
+      # over the context axis).  cuDNN's partitioning rule raises on a
+      # sharded sequence ("Sharding on sequence dim is not allowed"), which
+      # Shardy would otherwise propagate here from the token sharding.
+      full = NamedSharding(mesh, P("data", None, "tensor", None))
+      q, k, v = (jax.lax.with_sharding_constraint(x, full) for x in (q, k, v))
     return jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                         implementation=attention)
 
@@ -434,6 +441,9 @@ def main(argv=None):
         f"{args.seq_len} | mesh data {mesh.shape['data']} x tensor "
         f"{mesh.shape['tensor']} x context {mesh.shape['context']}"
         f"{' (ring attention, zig-zag)' if args.context > 1 else ''}")
+  if args.context > 1 and any(b != "fa3" for b in backends):
+    print("note: cudnn/xla attention has no context parallelism: it gathers "
+          "the sequence and runs replicated over the context axis")
   ok = True
   if not args.no_check:
     ok = attention_check(args, on_gpu) and ok

@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jax_fa3_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Multi-GPU machines: NVLink multicast stays off in every program (device KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 rc=0
-{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv;
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv; nvidia-smi topo -m; nproc;
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 for stage in "$@"; do
   echo "=== $stage ==="
@@ -19,6 +21,8 @@ for stage in "$@"; do
         && ninja -C build-dev -j"$(nproc)" \
         && cp build-dev/libjax_fa3_kernels.so build-dev/_jax_fa3*.so jax_fa3/; } > "$OUT/build.log" 2>&1
       tail -5 "$OUT/build.log"; grep -iE "error|spill" "$OUT/build.log" | head -20 ;;
+    pack)  # the built .so files and drivers come back (.tgz is not re-packed): carry them next time
+      tar czf "$OUT/build_so.tgz" jax_fa3/*.so build-dev/jax_fa3_*_check && ls -la "$OUT/build_so.tgz" ;;
     demo) python3 -m jax_fa3.demo --plot "$OUT/demo_loss.png" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" ;;  # DEMO_ARGS="--attention fa3,cudnn"
     smoke) python3 scripts/smoke.py 2>&1 | tee "$OUT/smoke.log" ;;
     tests) python3 -m pytest -q -m gpu tests ${TEST_ARGS:-} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
@@ -59,6 +63,26 @@ for stage in "$@"; do
         rm -f "$OUT/prof_$tag.ncu-rep"
         grep -E "Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" "$OUT/prof_$tag.txt" | head -12
       done ;;
+    bwdcheck)  # backward vs a float64 host reference, without XLA (cc/tools/bwd_check.cc); fp16 runs even if bf16 fails
+      ( r=0
+        timeout 300 ${BWD_CHECK_BIN:-build-dev/jax_fa3_bwd_check} --hdims 64,96,128,192,256 || r=1
+        timeout 200 ${BWD_CHECK_BIN:-build-dev/jax_fa3_bwd_check} --dtype fp16 --hdims 64,128,256 || r=1
+        exit $r ) 2>&1 | tee "$OUT/bwd_check.log" | grep -E "^FAIL|skipped|^PASSED|^FAILED|HANG|ERROR" ;;
+    bwdsanitize)  # the backward driver under each tool, time-boxed (deterministic dQ spins on semaphores:
+      # a hang costs one tool, and the driver's watchdog names the case); BWD_SANITIZE_TOOLS="racecheck" runs one
+      bad=0
+      for tool in ${BWD_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+        timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool $tool --error-exitcode 9 \
+          ${BWD_CHECK_BIN:-build-dev/jax_fa3_bwd_check} --hdims ${BWD_SANITIZE_HDIMS:-64,128,256} --watchdog 150 \
+          > "$OUT/bwd_sanitize_$tool.log" 2>&1
+        r=$?; echo "$tool rc=$r"; [ $r -eq 0 ] || bad=1
+        grep -E "^FAIL|HANG" "$OUT/bwd_sanitize_$tool.log" | head -5; tail -3 "$OUT/bwd_sanitize_$tool.log"
+      done; (exit $bad) ;;
+    bwdtiming)  # backward kernels alone (CUDA events; one forward call supplies out/lse), 16k tokens, hidden 2048
+      for d in ${BWD_TIMING_HDIMS:-64 128 256}; do for t in 1024 2048 4096 8192 16384; do for c in 0 1; do
+        timeout 60 ${BWD_CHECK_BIN:-build-dev/jax_fa3_bwd_check} --dtype ${BWD_TIMING_DTYPE:-bf16} \
+          --time $((16384 / t)),$t,$((2048 / d)),$d,$c ${BWD_TIMING_ARGS:-}  # e.g. "--deterministic 1"
+      done; done; done 2>&1 | tee "$OUT/bwd_timing.log" ;;
     ablation) python3 benchmarks/ablation.py --out "$OUT/ablation" 2>&1 | tee "$OUT/ablation.log" | tail -20 ;;
     bench) python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
     fp8check)  # FP8 pre-pass + kernel vs host float64, without XLA (cc/tools/fp8_check.cc); then timings.

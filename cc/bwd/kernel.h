@@ -152,8 +152,8 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   err = cudaGetLastError();
   if (err != cudaSuccess) { return err; }
 
-  const dim3 out_grid((p.t + kBwdRowsPerBlock - 1) / kBwdRowsPerBlock, p.n, p.b);
-  bwd_postprocess<Element><<<out_grid, kBwdRowsPerBlock * 32, 0, stream>>>(p);
+  const dim3 out_grid((p.t + Traits::kBlockM - 1) / Traits::kBlockM, p.n, p.b);
+  bwd_postprocess<Traits><<<out_grid, Traits::kNumMmaThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

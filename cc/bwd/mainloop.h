@@ -12,6 +12,7 @@
 #include <cutlass/arch/barrier.h>
 #include "traits.h"
 #include "mask.h"
+#include "dq_accum.h"
 #include "../fwd/utils.h"
 
 namespace jax_fa3 {
@@ -27,6 +28,8 @@ struct BwdMainloop {
   static constexpr int kDqCols = kHeadDim / kDqChunks;  // dQ columns per chunk
   using TileQc = Shape<Int<kBlockM>, Int<kDqCols>>;
   using Mask = KeyBlockMask<kBlockM, kBlockN>;
+  using DqLayout = DqAccumLayout<Traits>;
+  static_assert(DqLayout::kFrag == decltype(size(partition_fragment_C(typename Traits::TiledMmaQ{}, TileQc{})))::value);
   // Named barrier ids (NamedBarrier adds CUTLASS's reserved offset).
   static constexpr uint32_t kBarrierdSFree = 0, kBarrierdSReady = 1, kBarrierTurn = 2,
                             kBarrierdQFree = 3, kBarrierdQReady = 4;
@@ -89,9 +92,13 @@ struct BwdMainloop {
       return thr_q.partition_fragment_B(
           local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(chunk, _0{})));
     };
-    Tensor tSsdS = thr_sdp.partition_C(sdSt);            // dS^T in the accumulator's layout
+    // P^T / dS^T accumulators -> smem with transposing stmatrix: the
+    // accumulator's rows (keys) are the contiguous dimension of dS in smem, so
+    // plain copies were 16-bit generic stores with 64-bit swizzle arithmetic.
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+    auto thr_r2s = r2s.get_thread_slice(mma_tid);
+    Tensor tR2SsdS = thr_r2s.partition_D(sdSt);
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
-    Tensor cQ = thr_q.partition_C(make_identity_tensor(TileQc{}));
 
     // With a softcap the forward's scores are cap * x, x = tanh(q.k * scale / cap);
     // otherwise scale * x with x = q.k. dS is formed w.r.t. x; the remaining
@@ -108,57 +115,76 @@ struct BwdMainloop {
       pipe.consumer_wait(state);
       warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), tSrS);
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), tSrdP);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      warpgroup_fence_operand(tSrdP);
-
-      if constexpr (softcap) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
-      }
-      if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block); }
-      {
-        Tensor s = as_rowcol(tSrS);
-        Tensor dp = as_rowcol(tSrdP);
-        Tensor c = as_rowcol(cS);
-        const float* lse_s = smem.lse.data() + state.index() * kBlockM;
-        const float* delta_s = smem.delta.data() + state.index() * kBlockM;
+      const float* lse_s = smem.lse.data() + state.index() * kBlockM;
+      const float* delta_s = smem.delta.data() + state.index() * kBlockM;
+      Tensor s = as_rowcol(tSrS);
+      Tensor dp = as_rowcol(tSrdP);
+      Tensor cs = as_rowcol(cS);
+      Tensor rP = make_tensor<Element>(tSrS.layout());
+      Tensor rdS = make_tensor<Element>(tSrdP.layout());
+      // The same registers as RS-WGMMA A operands (identical element order).
+      Tensor tKVrP = make_tensor(rP.data(), acc_to_a_layout(rP.layout()));
+      Tensor tKVrdS = make_tensor(rdS.data(), acc_to_a_layout(rdS.layout()));
+      // Register path: dV += P^T dO needs only P, so it is issued as soon as P
+      // is ready and runs under the dS arithmetic and staging.
+      auto issue_dv = [&] {
+        if constexpr (!Traits::kStagePdS) {
+          warpgroup_gemm<false, -1>(mma_kv, tKVrP, tKVrdOt(_, _, _, state.index()), acc_dv);
+        }
+      };
+      if constexpr (!softcap) {
+        // P^T while the dP^T GEMM still runs (WGMMA batches retire in order).
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block); }
         CUTLASS_PRAGMA_UNROLL
         for (int col = 0; col < size<1>(s); ++col) {
-          const int row = get<1>(c(0, col));
-          const float lse2 = lse_s[row];  // +inf on rows that see nothing: P = 0
+          const float lse2 = lse_s[get<1>(cs(0, col))];  // +inf on rows that see nothing: P = 0
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(s); ++r) { s(r, col) = exp2f(s(r, col) * scale_log2 - lse2); }
+        }
+        convert_into(tSrS, rP);
+        issue_dv();
+        warpgroup_wait<Traits::kStagePdS ? 0 : 1>();  // dP^T done (dV may still run)
+        warpgroup_fence_operand(tSrdP);
+        CUTLASS_PRAGMA_UNROLL
+        for (int col = 0; col < size<1>(s); ++col) {
+          const float delta = delta_s[get<1>(cs(0, col))];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(s); ++r) { dp(r, col) = s(r, col) * (dp(r, col) - delta); }
+        }
+      } else {
+        // dS needs the capped score x next to P: one pass after both GEMMs.
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        warpgroup_fence_operand(tSrdP);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
+        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block); }
+        CUTLASS_PRAGMA_UNROLL
+        for (int col = 0; col < size<1>(s); ++col) {
+          const int row = get<1>(cs(0, col));
+          const float lse2 = lse_s[row];
           const float delta = delta_s[row];
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < size<0>(s); ++r) {
             const float x = s(r, col);
             const float pr = exp2f(x * scale_log2 - lse2);
-            float ds = pr * (dp(r, col) - delta);
             // d tanh = 1 - x^2; masked entries (x = -inf, P = 0) must stay 0, not NaN.
-            if constexpr (softcap) { ds = pr > 0.f ? ds * (1.f - x * x) : 0.f; }
+            dp(r, col) = pr > 0.f ? pr * (dp(r, col) - delta) * (1.f - x * x) : 0.f;
             s(r, col) = pr;
-            dp(r, col) = ds;
           }
         }
+        convert_into(tSrS, rP);
+        issue_dv();
       }
-      Tensor rP = make_tensor<Element>(tSrS.layout());
-      convert_into(tSrS, rP);
-      Tensor rdS = make_tensor<Element>(tSrdP.layout());
       convert_into(tSrdP, rdS);
-      // dQ = dS K in kDqChunks column chunks (fewer live registers at large d);
-      // the first chunk is issued with dV/dK, each one then goes to the staging
-      // buffer (or atomics) before the next.
       Tensor acc_dq = partition_fragment_C(mma_q, TileQc{});
       if constexpr (!Traits::kStagePdS) {
-        // The same registers as RS-WGMMA A operands (identical element order).
-        Tensor tKVrP = make_tensor(rP.data(), acc_to_a_layout(rP.layout()));
-        Tensor tKVrdS = make_tensor(rdS.data(), acc_to_a_layout(rdS.layout()));
-
-        warpgroup_gemm<false, -1>(mma_kv, tKVrP, tKVrdOt(_, _, _, state.index()), acc_dv);
-
         // Stage dS: the other warpgroup's dQ GEMM of the previous block is done
         // reading (FREE), and all rows are written before any dQ GEMM (READY).
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
-        copy(rdS, tSsdS);
+        copy(r2s, thr_r2s.retile_S(rdS), tR2SsdS);
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSReady);
 
@@ -175,8 +201,8 @@ struct BwdMainloop {
         Tensor tKVsP = thr_kv.partition_fragment_A(sPt);     // (MMA, n, m) descriptors
         Tensor tKVsdS = thr_kv.partition_fragment_A(sdSt);
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
-        copy(rP, thr_sdp.partition_C(sPt));
-        copy(rdS, tSsdS);
+        copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sPt));
+        copy(r2s, thr_r2s.retile_S(rdS), tR2SsdS);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSReady);
         warpgroup_gemm<false, -1>(mma_kv, tKVsP, tKVrdOt(_, _, _, state.index()), acc_dv);
@@ -194,18 +220,15 @@ struct BwdMainloop {
       int* sem = p.semaphore + (int64_t(batch) * p.n + head) * num_m_sem + m_block;
       const int turn = n_block - mask.first_key_block(m_block);
       float* dq = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim;
-      Tensor c = as_rowcol(cQ);
       CUTLASS_PRAGMA_UNROLL
       for (int chunk = 0; chunk < kDqChunks; ++chunk) {
         if (chunk > 0) {
           warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
         }
-        Tensor a = as_rowcol(acc_dq);
-        const int col0 = chunk * kDqCols;
         if (!p.dq_atomic) {
-          // Stage the 64 x d fp32 block in smem (its rows are contiguous in the
-          // accumulator too) and let one thread add it with a bulk reduce; the
-          // other threads move on. The buffer is reused once that reduce has
+          // Stage the fp32 block in smem in fragment order (dq_accum.h: the same
+          // order as the block in the accumulator) and let one thread add it
+          // with a bulk reduce; the other threads move on. The buffer is reused once that reduce has
           // read it (bulk-group wait by the issuing thread, then FREE).
           if (chunk == 0) {
             if (mma_tid == 0) { tma_store_wait<0>(); }
@@ -213,21 +236,14 @@ struct BwdMainloop {
           }
           float* sdq = smem.dq.data();
           CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(a); ++r) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int col = 0; col < size<1>(a); ++col) {
-              sdq[get<0>(c(r, col)) * kHeadDim + col0 + get<1>(c(r, col))] = a(r, col);
-            }
+          for (int i = 0; i < DqLayout::kFrag; i += 4) {
+            *reinterpret_cast<float4*>(sdq + DqLayout::offset(chunk, mma_tid, i)) =
+                make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
           }
         } else {
           if (chunk == 0 && p.deterministic) { wait_turn(sem, turn, mma_tid); }
           CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(a); ++r) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int col = 0; col < size<1>(a); ++col) {
-              atomicAdd(dq + get<0>(c(r, col)) * kHeadDim + col0 + get<1>(c(r, col)), a(r, col));
-            }
-          }
+          for (int i = 0; i < DqLayout::kFrag; ++i) { atomicAdd(dq + DqLayout::offset(chunk, mma_tid, i), acc_dq(i)); }
         }
       }
       if (!p.dq_atomic) {

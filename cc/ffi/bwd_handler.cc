@@ -27,6 +27,18 @@ bool dq_atomic() {
   return on;
 }
 
+// The compiled instantiation for (dtype, head dim), or nullptr; shared by the
+// FFI handler and the XLA-free C entry below.
+const BwdKernelEntry* find_bwd_kernel(DType dtype, int head_dim) {
+  for (int i = 0; i < kNumBwdKernels; ++i) {
+    if (kBwdKernels[i].dtype == dtype && kBwdKernels[i].head_dim == head_dim) { return &kBwdKernels[i]; }
+  }
+  return nullptr;
+}
+
+// Query rows of the fp32 scratch (BwdParams::t_pad).
+int padded_rows(int t) { return (t + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad; }
+
 template <class A, class B>
 bool same_dims(const A& a, const B& b) {
   if (a.size() != b.size()) { return false; }
@@ -63,7 +75,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   BwdParams p;
   p.b = int(qd[0]); p.t = int(qd[1]); p.n = int(qd[2]); p.d = int(qd[3]);
   p.s = int(kd[1]); p.kh = int(kd[2]);
-  p.t_pad = (p.t + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
+  p.t_pad = padded_rows(p.t);
   const size_t rows = size_t(p.b) * p.n * p.t_pad;
   if (kd[0] != p.b || kd[3] != p.d || p.kh == 0 || p.n % p.kh != 0 ||
       !same_dims(v.dimensions(), kd) || !same_dims(o.dimensions(), qd) || !same_dims(dout.dimensions(), qd) ||
@@ -98,18 +110,16 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.deterministic = deterministic != 0;
   p.dq_atomic = dq_atomic();
 
-  for (int i = 0; i < kNumBwdKernels; ++i) {
-    const BwdKernelEntry& e = kBwdKernels[i];
-    if (e.dtype == dtype && e.head_dim == p.d) {
-      cudaError_t err = e.launch(p, stream);
-      if (err != cudaSuccess) {
-        return ffi::Error::Internal(std::string("jax_fa3_bwd: launch failed: ") + cudaGetErrorString(err));
-      }
-      return ffi::Error::Success();
-    }
+  const BwdKernelEntry* e = find_bwd_kernel(dtype, p.d);
+  if (e == nullptr) {
+    return ffi::Error::InvalidArgument("jax_fa3_bwd: no backward kernel was compiled for head dim " +
+                                       std::to_string(p.d) + " with this dtype");
   }
-  return ffi::Error::InvalidArgument("jax_fa3_bwd: no backward kernel was compiled for head dim " +
-                                     std::to_string(p.d) + " with this dtype");
+  cudaError_t err = e->launch(p, stream);
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jax_fa3_bwd: launch failed: ") + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -146,6 +156,24 @@ __attribute__((visibility("default"))) void* jax_fa3_bwd_handler() {
   return reinterpret_cast<void*>(JaxFa3Bwd);
 }
 __attribute__((visibility("default"))) int jax_fa3_num_bwd_kernels() { return jax_fa3::kNumBwdKernels; }
+// Direct launch without XLA (cc/tools/bwd_check.cc: compute-sanitizer runs).
+// p: a non-empty problem (the handler's zero-size shortcuts are not repeated)
+// with every pointer set, scratch included (sizes as in BwdParams; the
+// launcher initializes all of it). Returns 0, a cudaError_t, or -1 when
+// (dtype, head dim) is not compiled.
+__attribute__((visibility("default"))) int jax_fa3_bwd_launch(const jax_fa3::BwdParams* p, int dtype,
+                                                              cudaStream_t stream) {
+  const jax_fa3::BwdKernelEntry* e = jax_fa3::find_bwd_kernel(jax_fa3::DType(dtype), p->d);
+  if (e == nullptr) { return -1; }
+  // The scratch is indexed with t_pad: a caller's mismatch would be an
+  // out-of-bounds access the sanitizer blames on the kernel.
+  if (p->t_pad != jax_fa3::padded_rows(p->t)) {
+    return int(cudaErrorInvalidValue);
+  }
+  jax_fa3::BwdParams params = *p;
+  params.dq_atomic = jax_fa3::dq_atomic();
+  return int(e->launch(params, stream));
+}
 __attribute__((visibility("default"))) void jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim) {
   *dtype = int(jax_fa3::kBwdKernels[i].dtype);
   *head_dim = jax_fa3::kBwdKernels[i].head_dim;

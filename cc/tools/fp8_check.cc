@@ -24,38 +24,24 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
-
-#include <chrono>
-#include <thread>
 
 #include <cuda_runtime_api.h>
 
 #include "../fp8/params.h"
 #include "../fp8/quantize.h"
+#include "check_util.h"
 
 extern "C" int jax_fa3_fp8_fwd_launch(const jax_fa3::Fp8FwdParams* p, int out_dtype, cudaStream_t stream);
 extern "C" int jax_fa3_fp8_quantize_launch(const jax_fa3::QuantParams* p, cudaStream_t stream);
 
 namespace {
 
-#define CHECK_CUDA(x)                                                                   \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                     \
-    }                                                                                   \
-  } while (0)
+using check_util::from_bf16;
+using check_util::to_bf16;
+using check_util::NormalRng;
 
-uint16_t to_bf16(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-float from_bf16(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 float from_e4m3(uint8_t b) {
   int sign = b >> 7, exp = (b >> 3) & 0xF, mant = b & 7;
   if (exp == 15 && mant == 7) return NAN;
@@ -82,28 +68,9 @@ struct Case { int b, t, s, n, kh; bool causal; bool lens; };
 double g_watchdog_s = 20;
 bool g_prepass_only = false;
 
-// Waits for the default stream like cudaDeviceSynchronize, but gives up after
-// g_watchdog_s: a hung kernel then ends the process with a clear line instead
-// of a silent timeout (std::_Exit skips the CUDA teardown, which would wait).
+// Waits for the default stream, exiting on an error (2) or after g_watchdog_s (3).
 void wait_or_die(const char* what) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(nullptr);
-    if (e == cudaSuccess) break;
-    if (e != cudaErrorNotReady) {
-      std::printf("[fp8_check] ERROR in %s: %s\n", what, cudaGetErrorString(e));
-      std::fflush(stdout);
-      std::_Exit(2);
-    }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (s > g_watchdog_s) {
-      std::printf("[fp8_check] HANG in %s: not finished after %.0f s\n", what, s);
-      std::fflush(stdout);
-      std::_Exit(3);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double ms = check_util::wait_or_die("[fp8_check]", what, g_watchdog_s);
   std::printf("[fp8_check]   done %s (%.1f ms)\n", what, ms);
   std::fflush(stdout);
 }
@@ -181,13 +148,12 @@ bool run_case(const Case& c, int d, uint32_t seed) {
   std::snprintf(tag, sizeof tag, "d%d b%d t%d s%d n%d kh%d causal=%d lens=%d", d, c.b, c.t, c.s,
                 c.n, c.kh, int(c.causal), int(c.lens));
   std::string what;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal;
+  NormalRng rng(seed);
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
   std::vector<uint16_t> h16[3] = {std::vector<uint16_t>(nq), std::vector<uint16_t>(nk), std::vector<uint16_t>(nk)};
-  for (auto& t : h16) for (auto& x : t) x = to_bf16(normal(rng));
+  for (auto& t : h16) check_util::fill_normal(t, rng, true);
   std::vector<float> signs(d);
-  for (auto& s : signs) s = (rng() & 1) ? 1.f : -1.f;
+  for (auto& s : signs) s = (rng.gen() & 1) ? 1.f : -1.f;
   std::vector<int32_t> qlen(c.b, c.t), kvlen(c.b, c.s);
   if (c.lens) for (int i = 0; i < c.b; ++i) { qlen[i] = (c.t * (i + 1)) / (c.b + 1); kvlen[i] = c.s - 7 * i; }
 
@@ -375,15 +341,14 @@ int main(int argc, char** argv) {
     } else if (a == "--watchdog" && i + 1 < argc) {
       g_watchdog_s = std::atof(argv[++i]);
     } else if (a == "--hdims" && i + 1 < argc) {
-      hdims.clear();
-      for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) hdims.push_back(std::atoi(tok));
+      hdims = check_util::parse_int_list(argv[++i]);
     } else if (a == "--iters" && i + 1 < argc) {
       iters = std::atoi(argv[++i]);
     } else if (a == "--time" && i + 1 < argc) {
-      int b, t, n, d, causal;
-      if (std::sscanf(argv[++i], "%d,%d,%d,%d,%d", &b, &t, &n, &d, &causal) != 5) return 2;
+      check_util::TimeSpec ts;
+      if (!check_util::parse_time_spec(argv[++i], ts)) return 2;
       for (int j = i + 1; j + 1 < argc; ++j) if (std::string(argv[j]) == "--iters") iters = std::atoi(argv[j + 1]);
-      return time_shape(b, t, n, d, causal != 0, iters);
+      return time_shape(ts.b, ts.t, ts.n, ts.d, ts.causal != 0, iters);
     }
   }
   const Case cases[] = {

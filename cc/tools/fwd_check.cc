@@ -11,60 +11,21 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 #include "../fwd/params.h"
+#include "check_util.h"
 
 extern "C" int jax_fa3_fwd_launch(const jax_fa3::FwdParams* p, int dtype, const char* variant,
                                   cudaStream_t stream);
 
 namespace {
 
-#define CHECK_CUDA(x)                                                                   \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                     \
-    }                                                                                   \
-  } while (0)
-
-// 16-bit float codecs (round to nearest even), so the host needs no CUDA types.
-uint16_t to_bf16(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-float from_bf16(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-uint16_t to_fp16(float f) {
-  // Inputs are N(0,1): normal range only, no overflow handling needed.
-  uint32_t u; std::memcpy(&u, &f, 4);
-  uint32_t sign = (u >> 16) & 0x8000u;
-  int exp = int((u >> 23) & 0xFF) - 127 + 15;
-  uint32_t mant = u & 0x7FFFFFu;
-  if (exp <= 0) return uint16_t(sign);  // flush tiny values
-  uint32_t r = (uint32_t(exp) << 10) | (mant >> 13);
-  uint32_t rem = mant & 0x1FFFu;
-  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
-  return uint16_t(sign | r);
-}
-float from_fp16(uint16_t h) {
-  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-  uint32_t u;
-  if (exp == 0) {
-    float f = std::ldexp(float(mant), -24);
-    return sign ? -f : f;
-  } else if (exp == 31) {
-    u = sign | 0x7F800000u | (mant << 13);
-  } else {
-    u = sign | ((exp - 15 + 127) << 23) | (mant << 13);
-  }
-  float f; std::memcpy(&f, &u, 4); return f;
-}
+using check_util::fill_normal;
+using check_util::NormalRng;
 
 struct Case {
   int b, t, s, n, kh;
@@ -78,14 +39,12 @@ struct Result { double max_err_o, max_err_lse; bool nan, repro, skipped = false;
 
 Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t seed) {
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal;
-  auto enc = [&](float f) { return bf16 ? to_bf16(f) : to_fp16(f); };
-  auto dec = [&](uint16_t h) { return bf16 ? from_bf16(h) : from_fp16(h); };
+  NormalRng rng(seed);
+  auto dec = [&](uint16_t h) { return check_util::from_half(h, bf16); };
   std::vector<uint16_t> hq(nq), hk(nk), hv(nk);
-  for (auto& x : hq) x = enc(normal(rng));
-  for (auto& x : hk) x = enc(normal(rng));
-  for (auto& x : hv) x = enc(normal(rng));
+  fill_normal(hq, rng, bf16);
+  fill_normal(hk, rng, bf16);
+  fill_normal(hv, rng, bf16);
   std::vector<int32_t> qlen(c.b, c.t), kvlen(c.b, c.s);
   if (c.lens) {
     for (int i = 0; i < c.b; ++i) { qlen[i] = (c.t * (i + 1)) / (c.b + 1); kvlen[i] = c.s - 7 * i; }
@@ -174,16 +133,16 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
 
 // Times the kernel alone on one shape (inputs: a fixed bit pattern, never zeros).
 int time_shape(const std::string& spec, bool bf16, const char* variant, int iters) {
-  int b, t, n, d, causal;
-  if (std::sscanf(spec.c_str(), "%d,%d,%d,%d,%d", &b, &t, &n, &d, &causal) != 5) {
+  check_util::TimeSpec ts;
+  if (!check_util::parse_time_spec(spec.c_str(), ts)) {
     std::fprintf(stderr, "--time wants B,T,N,D,CAUSAL\n");
     return 2;
   }
+  const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, causal = ts.causal;
   const size_t elems = size_t(b) * t * n * d;
   std::vector<uint16_t> host(elems);
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal;
-  for (auto& x : host) x = bf16 ? to_bf16(normal(rng)) : to_fp16(normal(rng));
+  NormalRng rng(7);
+  fill_normal(host, rng, bf16);
   void *q, *k, *v, *o; float* lse; int32_t* lens;
   CHECK_CUDA(cudaMalloc(&q, elems * 2)); CHECK_CUDA(cudaMalloc(&k, elems * 2));
   CHECK_CUDA(cudaMalloc(&v, elems * 2)); CHECK_CUDA(cudaMalloc(&o, elems * 2));
@@ -225,11 +184,8 @@ int main(int argc, char** argv) {
     else if (a == "--variant") variant = argv[i + 1];
     else if (a == "--time") time_spec = argv[i + 1];
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
-    else if (a == "--hdims") {
-      hdims.clear();
-      for (char* tok = std::strtok(argv[i + 1], ","); tok; tok = std::strtok(nullptr, ","))
-        hdims.push_back(std::atoi(tok));
-    } else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
+    else if (a == "--hdims") hdims = check_util::parse_int_list(argv[i + 1]);
+    else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
   if (!time_spec.empty()) return time_shape(time_spec, dtype == "bf16", variant.c_str(), iters);
   // Odd lengths, T != S, fewer K/V tiles than stages, several ring wrap-arounds,

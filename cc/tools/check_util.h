@@ -1,0 +1,128 @@
+// Helpers shared by the XLA-free drivers in cc/tools (fwd_check, fp8_check,
+// bwd_check): CUDA error exits, host 16-bit float codecs, seeded N(0,1)
+// fills, a launch watchdog and argument parsing. Host-only: the drivers are
+// plain C++ translation units linked against the kernel library.
+#pragma once
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#define CHECK_CUDA(x)                                                                   \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+namespace check_util {
+
+// 16-bit float codecs (round to nearest even), so the host needs no CUDA types.
+inline uint16_t to_bf16(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+inline float from_bf16(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline uint16_t to_fp16(float f) {
+  // Inputs are N(0,1): normal range only, no overflow handling needed.
+  uint32_t u; std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  int exp = int((u >> 23) & 0xFF) - 127 + 15;
+  uint32_t mant = u & 0x7FFFFFu;
+  if (exp <= 0) return uint16_t(sign);  // flush tiny values
+  uint32_t r = (uint32_t(exp) << 10) | (mant >> 13);
+  uint32_t rem = mant & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  return uint16_t(sign | r);
+}
+inline float from_fp16(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  uint32_t u;
+  if (exp == 0) {
+    float f = std::ldexp(float(mant), -24);
+    return sign ? -f : f;
+  } else if (exp == 31) {
+    u = sign | 0x7F800000u | (mant << 13);
+  } else {
+    u = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  }
+  float f; std::memcpy(&f, &u, 4); return f;
+}
+inline uint16_t to_half(float f, bool bf16) { return bf16 ? to_bf16(f) : to_fp16(f); }
+inline float from_half(uint16_t h, bool bf16) { return bf16 ? from_bf16(h) : from_fp16(h); }
+
+// One generator and one distribution per case: std::normal_distribution keeps
+// the second value of each pair it draws, so sharing the object (not just the
+// engine) across fills is what makes a seed reproduce the same inputs.
+struct NormalRng {
+  std::mt19937 gen;
+  std::normal_distribution<float> dist;
+  explicit NormalRng(uint32_t seed) : gen(seed) {}
+  float operator()() { return dist(gen); }
+};
+
+// N(0,1) samples rounded to bf16 or fp16.
+inline void fill_normal(std::vector<uint16_t>& v, NormalRng& rng, bool bf16) {
+  for (auto& x : v) x = to_half(rng(), bf16);
+}
+
+// Waits for the legacy default stream like cudaDeviceSynchronize, but gives up
+// after limit_s: a hung kernel then ends the process with a clear line instead
+// of a silent timeout (std::_Exit skips the CUDA teardown, which would wait).
+// `tag` prefixes the lines ("[fp8_check]"). Returns the wait in ms.
+inline double wait_or_die(const char* tag, const char* what, double limit_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(nullptr);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) {
+      std::printf("%s ERROR in %s: %s\n", tag, what, cudaGetErrorString(e));
+      std::fflush(stdout);
+      std::_Exit(2);
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s > limit_s) {
+      std::printf("%s HANG in %s: not finished after %.0f s\n", tag, what, s);
+      std::fflush(stdout);
+      std::_Exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// "64,128,256" -> {64, 128, 256} (argv is left untouched).
+inline std::vector<int> parse_int_list(const char* s) {
+  std::vector<int> out;
+  std::string item;
+  for (const char* c = s;; ++c) {
+    if (*c == ',' || *c == '\0') {
+      if (!item.empty()) out.push_back(std::atoi(item.c_str()));
+      item.clear();
+      if (*c == '\0') break;
+    } else {
+      item += *c;
+    }
+  }
+  return out;
+}
+
+// The --time argument of every driver: "B,T,N,D,CAUSAL".
+struct TimeSpec { int b = 0, t = 0, n = 0, d = 0, causal = 0; };
+inline bool parse_time_spec(const char* s, TimeSpec& ts) {
+  return std::sscanf(s, "%d,%d,%d,%d,%d", &ts.b, &ts.t, &ts.n, &ts.d, &ts.causal) == 5;
+}
+
+}  // namespace check_util
