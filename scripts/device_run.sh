@@ -37,7 +37,8 @@ for stage in "$@"; do
       B=build-fwdcheck bash scripts/build_fwd_check.sh > "$OUT/build_fwd.log" 2>&1; tail -3 "$OUT/build_fwd.log"
       export CHECK_BIN=build-fwdcheck/jax_fa3_fwd_check ;;
     check)  # kernels vs a float64 host reference, without XLA (cc/tools/fwd_check.cc)
-      { ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --hdims 64,96,128,192,256 && ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --dtype fp16 --hdims 64,128,256; } \
+      { ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --hdims 64,96,128,192,256 && ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --dtype fp16 --hdims 64,128,256 \
+        && ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --hdims 64 --variant m192 && ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --dtype fp16 --hdims 64 --variant m192; } \
         2>&1 | tee "$OUT/check.log" | grep -E "FAIL|PASSED|FAILED" ;;
     sanitize)  # XLA-free driver: sanitizer runs take seconds, not an XLA compile per shape
       for tool in memcheck racecheck synccheck; do
@@ -47,9 +48,9 @@ for stage in "$@"; do
       done ;;
     timing)  # kernel-only timings (CUDA events), bf16, 16k tokens, hidden 2048; causal A/B knobs
       for d in ${TIMING_HDIMS:-128}; do for t in 512 1024 2048 4096 8192 16384; do
-        ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --time $((16384 / t)),$t,$((2048 / d)),$d,0
+        ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --time $((16384 / t)),$t,$((2048 / d)),$d,0 ${TIMING_ARGS:-}  # e.g. "--variant m192"
         for knob in ${TIMING_KNOBS:-JAX_FA3_CAUSAL_ORDER=pairs JAX_FA3_CAUSAL_ORDER=mmajor JAX_FA3_CAUSAL_PINGPONG=0}; do
-          echo -n "$knob "; env $knob ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --time $((16384 / t)),$t,$((2048 / d)),$d,1
+          echo -n "$knob "; env $knob ${CHECK_BIN:-build-dev/jax_fa3_fwd_check} --time $((16384 / t)),$t,$((2048 / d)),$d,1 ${TIMING_ARGS:-}
         done
       done; done 2>&1 | tee "$OUT/timing.log" ;;
     profile)  # ncu on PROFILE_SHAPES (B,T,N,D,CAUSAL ...), one launch each

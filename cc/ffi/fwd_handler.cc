@@ -17,13 +17,36 @@ namespace ffi = xla::ffi;
 namespace jax_fa3 {
 namespace {
 
-// Ablation runs pick a compiled variant by name; everyone else gets "default".
-const char* fwd_variant() {
+// JAX_FA3_FWD_VARIANT forces a compiled variant by name (ablation runs);
+// otherwise pick_variant chooses.
+const char* forced_variant() {
   static const char* variant = [] {
     const char* v = std::getenv("JAX_FA3_FWD_VARIANT");
-    return (v && *v) ? v : "default";
+    return (v && *v) ? v : nullptr;
   }();
   return variant;
+}
+
+const FwdKernelEntry* find_kernel(DType dtype, int d, const char* variant) {
+  for (int i = 0; i < kNumFwdKernels; ++i) {
+    const FwdKernelEntry& e = kFwdKernels[i];
+    if (e.dtype == dtype && e.head_dim == d && std::strcmp(e.variant, variant) == 0) { return &e; }
+  }
+  return nullptr;
+}
+
+// Tile choice per problem, from the H200 measurements in benchmarks/RESULTS.md:
+// d64's 192-row tile (three consumer warpgroups) runs 5-16% faster than the
+// 128-row one on unmasked problems from 1k queries and on causal ones from 4k,
+// but pads short causal problems (at 1k causal: 250 vs 291 TFLOP/s).
+const char* pick_variant(const FwdParams& p, DType dtype) {
+  if (const char* v = forced_variant()) { return v; }
+  if (p.d == 64 && find_kernel(dtype, 64, "m192") != nullptr) {
+    const bool unmasked = p.window_left < 0 && p.window_right < 0;
+    const bool causal_like = p.window_right >= 0 && p.window_left < 0;
+    if ((unmasked && p.t >= 1024) || (causal_like && p.t >= 4096)) { return "m192"; }
+  }
+  return "default";
 }
 
 // Benchmark knobs (A/B runs in one build); defaults are the measured best.
@@ -95,18 +118,16 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.num_sms = sm_count();
   apply_env_knobs(p);
 
-  for (int i = 0; i < kNumFwdKernels; ++i) {
-    const FwdKernelEntry& e = kFwdKernels[i];
-    if (e.dtype == dtype && e.head_dim == p.d && std::strcmp(e.variant, fwd_variant()) == 0) {
-      cudaError_t err = e.launch(p, stream);
-      if (err != cudaSuccess) {
-        return ffi::Error::Internal(std::string("jax_fa3_fwd: launch failed: ") + cudaGetErrorString(err));
-      }
-      return ffi::Error::Success();
+  const char* variant = pick_variant(p, dtype);
+  if (const FwdKernelEntry* e = find_kernel(dtype, p.d, variant)) {
+    cudaError_t err = e->launch(p, stream);
+    if (err != cudaSuccess) {
+      return ffi::Error::Internal(std::string("jax_fa3_fwd: launch failed: ") + cudaGetErrorString(err));
     }
+    return ffi::Error::Success();
   }
   return ffi::Error::InvalidArgument("jax_fa3_fwd: head dim " + std::to_string(p.d) + ", variant '" +
-                                     fwd_variant() + "' with this dtype was not compiled "
+                                     variant + "' with this dtype was not compiled "
                                      "(JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES / JAX_FA3_ABLATION)");
 }
 
@@ -139,18 +160,16 @@ __attribute__((visibility("default"))) void* jax_fa3_fwd_handler() {
 __attribute__((visibility("default"))) int jax_fa3_num_fwd_kernels() { return jax_fa3::kNumFwdKernels; }
 // Direct launch without XLA (cc/tools/fwd_check.cc: compute-sanitizer runs).
 // Returns 0, a cudaError_t, or -1 when (dtype, head dim, variant) is not compiled.
+// variant "auto" takes the handler's choice (pick_variant).
 __attribute__((visibility("default"))) int jax_fa3_fwd_launch(const jax_fa3::FwdParams* p, int dtype,
                                                               const char* variant, cudaStream_t stream) {
   jax_fa3::FwdParams params = *p;
   if (params.num_sms == 0) { params.num_sms = jax_fa3::sm_count(); }
   jax_fa3::apply_env_knobs(params);
-  for (int i = 0; i < jax_fa3::kNumFwdKernels; ++i) {
-    const jax_fa3::FwdKernelEntry& e = jax_fa3::kFwdKernels[i];
-    if (int(e.dtype) == dtype && e.head_dim == params.d && std::strcmp(e.variant, variant) == 0) {
-      return int(e.launch(params, stream));
-    }
-  }
-  return -1;
+  const auto dt = jax_fa3::DType(dtype);
+  if (std::strcmp(variant, "auto") == 0) { variant = jax_fa3::pick_variant(params, dt); }
+  const jax_fa3::FwdKernelEntry* e = jax_fa3::find_kernel(dt, params.d, variant);
+  return e ? int(e->launch(params, stream)) : -1;
 }
 // Reports only default-variant kernels: those are what Python may dispatch to.
 __attribute__((visibility("default"))) int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim) {

@@ -170,12 +170,19 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       // Wait for Q even when the tile is empty, so no TMA write to its buffer
       // is still in flight when the pipeline slot is handed back.
       pipe_q.consumer_wait(state_q);
+      // With O in its own buffer, Q's slot goes back as soon as the last S
+      // GEMM retired: the next tile's Q then lands under this tile's tail.
+      bool q_released = false;
+      auto release_q = [&] {
+        if constexpr (Traits::kSeparateO) {
+          pipe_q.consumer_release(state_q);
+          ++state_q;
+          q_released = true;
+        }
+      };
       mainloop.run(smem, mma_tid, pingpong, mask, softcap, raw_to_x, pipe_k, pipe_v, state_kv, softmax, acc_o,
-                   loader);
-      if constexpr (Traits::kSeparateO) {  // Q is dead: let the producer load the next tile's
-        pipe_q.consumer_release(state_q);
-        ++state_q;
-      }
+                   release_q, loader);
+      if (Traits::kSeparateO && !q_released) { release_q(); }  // an empty tile
       float lse[Mainloop::kRows];
       softmax.finalize(acc_o, lse);
       Epilogue<Traits, Params>::store(params, smem, mma_tid, tile, q_len, acc_o, lse);
@@ -196,9 +203,10 @@ namespace jax_fa3 {
 
 // Host launcher for one instantiation.
 template <class Element, int HeadDim, bool IntraWGOverlap = FwdTileConfig<HeadDim>::kIntraWGOverlap,
-          bool PingPong = true, bool Persistent = true, bool WarpSpecialized = true>
+          bool PingPong = true, bool Persistent = true, bool WarpSpecialized = true,
+          class Tile = FwdTileConfig<HeadDim>>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, HeadDim, IntraWGOverlap, PingPong, WarpSpecialized>;
+  using Traits = FwdTraits<Element, HeadDim, IntraWGOverlap, PingPong, WarpSpecialized, Tile>;
   using Scheduler = std::conditional_t<Persistent, PersistentTileScheduler, StaticTileScheduler>;
   using LayoutSeq = typename Traits::LayoutSeq;
   auto layout = [](int seq, int heads, int batch) {

@@ -47,15 +47,17 @@ struct ConsumerMainloop {
   }
 
   // Runs the tile's K/V blocks; acc_o ends unnormalized in softmax's frame.
-  // Returns after the last S GEMM has retired, so the caller may release Q.
+  // on_q_dead() runs once the last S GEMM has retired (not on an empty tile):
+  // the caller may release Q there, so the producer loads the next tile's Q
+  // under this tile's last P.V GEMM and epilogue instead of after them.
   // on_v_free() runs after every release of a K/V stage (K's was released
   // earlier): a no-op in the warp-specialized kernel; without warp
   // specialization it is where a consumer thread issues the next loads.
-  template <class PipelineKV, class StateKV, class TO, class OnVFree>
+  template <class PipelineKV, class StateKV, class TO, class OnQDead, class OnVFree>
   CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
                        const TileMask<kBlockM, kBlockN>& mask, bool softcap, float raw_to_x,
                        PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
-                       Softmax& softmax, TO& acc_o, OnVFree& on_v_free) {
+                       Softmax& softmax, TO& acc_o, OnQDead&& on_q_dead, OnVFree& on_v_free) {
     if (mask.empty()) { return; }
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
@@ -107,6 +109,7 @@ struct ConsumerMainloop {
         state_v = state_kv;
         ++state_kv;
       }
+      on_q_dead();
       pipe_v.consumer_wait(state_v);
       pingpong.wait_turn();
       warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
@@ -125,7 +128,7 @@ struct ConsumerMainloop {
         pipe_v.consumer_release(state_kv);
         on_v_free();
         ++state_kv;
-        if (--n_block < mask.n_block_min) { break; }
+        if (--n_block < mask.n_block_min) { on_q_dead(); break; }
         pipe_k.consumer_wait(state_kv);
         pingpong.wait_turn();
         warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);

@@ -21,19 +21,32 @@ using namespace cute;
 // 128-register O accumulator) that spills ~200 bytes in the main loop, yet it
 // was still measured faster there (d256 8k: 737 vs 637 TFLOP/s without).
 template <int HeadDim> struct FwdTileConfig;
-#ifndef JAX_FA3_D64_BLOCK_M  // build-time A/B knob: 192 = three consumer warpgroups
+// Build-time A/B knobs for the d64 tile (scripts/build_fwd_check.sh EXTRA_FLAGS).
+#ifndef JAX_FA3_D64_BLOCK_M
 #define JAX_FA3_D64_BLOCK_M 128
 #endif
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = JAX_FA3_D64_BLOCK_M, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
+#ifndef JAX_FA3_D64_BLOCK_N
+#define JAX_FA3_D64_BLOCK_N 128
+#endif
+#ifndef JAX_FA3_D64_STAGES
+#define JAX_FA3_D64_STAGES 2
+#endif
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = JAX_FA3_D64_BLOCK_M, kBlockN = JAX_FA3_D64_BLOCK_N, kStages = JAX_FA3_D64_STAGES; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = true; };
 
+// A tile shape other than FwdTileConfig's, for the variants the handler picks
+// per problem (fwd_handler.cc, pick_variant: e.g. d64's 192-row tile, three
+// consumer warpgroups, wins on long sequences and loses on short causal ones).
+template <int BlockM, int BlockN, int Stages>
+struct FwdTile { static constexpr int kBlockM = BlockM, kBlockN = BlockN, kStages = Stages; };
+
 // The overlap switches exist for the ablation in benchmarks/RESULTS.md; the
 // default instantiation takes FwdTileConfig's choice and ping-pong on.
 template <class Element_, int HeadDim, bool IntraWGOverlap = FwdTileConfig<HeadDim>::kIntraWGOverlap,
-          bool PingPong = true, bool WarpSpecialized = true>
+          bool PingPong = true, bool WarpSpecialized = true, class Tile = FwdTileConfig<HeadDim>>
 struct FwdTraits {
   using Element = Element_;
   // false only for the ablation: no producer warpgroup, a consumer thread
@@ -43,9 +56,9 @@ struct FwdTraits {
   static constexpr bool kPingPong = PingPong;
   using ElementAccum = float;
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kBlockM = FwdTileConfig<HeadDim>::kBlockM;
-  static constexpr int kBlockN = FwdTileConfig<HeadDim>::kBlockN;
-  static constexpr int kStages = FwdTileConfig<HeadDim>::kStages;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages;
 
   // One producer warpgroup (only one warp of it issues TMA) and kBlockM / 64
   // consumer warpgroups, each owning 64 rows of the Q tile.
