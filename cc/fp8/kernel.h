@@ -110,7 +110,11 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       pipe_k.producer_tail(state_kv);
       pipe_v.producer_tail(state_kv);
     } else if (is_transposer) {
-      const int tid = threadIdx.x - cutlass::NumThreadsPerWarp;
+      using Transposer = VTransposer<Traits>;
+      // Per-lane address parts once per kernel; warp_in_group is warp-uniform
+      // (shuffle-broadcast), so the column-block loop runs on uniform registers.
+      const typename Transposer::Lane lane = Transposer::lane_offsets(threadIdx.x % cutlass::NumThreadsPerWarp);
+      const int t_warp = warp_in_group - 1;
       auto state_v = typename PipelineKV::PipelineState{};
       auto state_vt = cutlass::make_producer_start_state<PipelineVt>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
@@ -119,7 +123,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
         for (int n_block = mask.n_block_max - 1; n_block >= mask.n_block_min; --n_block) {
           pipe_v.consumer_wait(state_v);
           pipe_vt.producer_acquire(state_vt);
-          VTransposer<Traits>::transpose(smem, tid, state_v.index(), state_vt.index());
+          Transposer::transpose(smem, lane, t_warp, state_v.index(), state_vt.index());
           pipe_vt.producer_commit(state_vt);
           pipe_v.consumer_release(state_v);
           ++state_v;
@@ -136,6 +140,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
     pingpong.init();
     auto state_q = typename PipelineQ::PipelineState{};
     auto state_kv = typename PipelineKV::PipelineState{};
+    auto state_vt = typename PipelineVt::PipelineState{};  // its own ring depth
     const int num_m = (p.t + kBlockM - 1) / kBlockM;
     const int num_n = (p.s + kBlockN - 1) / kBlockN;
     const float scale_log2 = p.scale * 1.44269504088896340736f;
@@ -152,7 +157,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       pipe_q.consumer_wait(state_q);
       const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, scale_log2 * q_scale,
                                          params.k_scale + kv_row, params.v_scale + kv_row,
-                                         pipe_k, pipe_vt, state_kv, softmax, acc_o);
+                                         pipe_k, state_kv, pipe_vt, state_vt, softmax, acc_o);
       pipe_q.consumer_release(state_q);  // O has its own buffer: Q is dead
       ++state_q;
       float lse[Mainloop::kRows];

@@ -62,12 +62,21 @@ struct Fp8ConsumerMainloop {
 
   // Runs the tile's K/V blocks. q_to_log2 = softmax scale * log2(e) * q_scale;
   // k_scale / v_scale point at this (batch, kv head)'s block scales. Returns
-  // the V scale acc_o is expressed in (1 when the tile is empty).
-  template <class PipelineKV, class PipelineVt, class StateKV, class TO>
+  // the V scale acc_o is expressed in (1 when the tile is empty). state_vt
+  // walks the V^T ring, which is deeper than the K/V ring (traits.h).
+  //
+  // Per block j (FA3's order): issue S_j = Q K_j^T; rescale O into block
+  // j-1's frame while that GEMM runs; issue O += P_{j-1} V_{j-1}; softmax of
+  // S_j overlaps the P.V GEMM; after it retires only P_j's e4m3 packing is
+  // left. (Rescaling after the P.V wait, as before, put 64-128 FMULs per
+  // thread between the GEMM's retirement and the next issue.) The arithmetic
+  // on O is unchanged: it is still multiplied by correction_{j-1} before
+  // P_{j-1} V_{j-1} is added.
+  template <class PipelineKV, class StateKV, class PipelineVt, class StateVt, class TO>
   CUTE_DEVICE float run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
                         const TileMask<kBlockM, kBlockN>& mask, float q_to_log2,
                         const float* k_scale, const float* v_scale,
-                        PipelineKV& pipe_k, PipelineVt& pipe_vt, StateKV& state_kv,
+                        PipelineKV& pipe_k, StateKV& state_kv, PipelineVt& pipe_vt, StateVt& state_vt,
                         Softmax& softmax, TO& acc_o) {
     if (mask.empty()) { return 1.f; }
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
@@ -78,11 +87,13 @@ struct Fp8ConsumerMainloop {
     auto thr_pv = mma_pv.get_thread_slice(mma_tid);
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stage)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stage of the V^T ring)
     Tensor cS = thr_qk.partition_C(make_identity_tensor(TileS{}));
 
     Tensor tSrS = partition_fragment_C(mma_qk, TileS{});
     Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_pv, TileS{}));
+    // Factor for O before the pending P.V: the first block's is 0 (its
+    // running max was -inf) and O is still zero then, so it stays zero.
     float correction[kRows];
 
     int n_block = mask.n_block_max - 1;
@@ -94,42 +105,43 @@ struct Fp8ConsumerMainloop {
     pingpong.pass_turn();
     warpgroup_wait<0>();
     pipe_k.consumer_release(state_kv);
+    ++state_kv;
     if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
-    softmax.max_and_exp(tSrS, q_to_log2 * ks, correction);  // acc_o is zero: no rescale
+    softmax.max_and_exp(tSrS, q_to_log2 * ks, correction);
     pack_p_fp8(tSrS, tOrP);
 
-    StateKV state_v = state_kv;  // stage holding the V^T that matches P
-    ++state_kv;
     for (--n_block; n_block >= mask.n_block_min; --n_block) {
       const float ks_next = k_scale[n_block];
       const float vs_next = v_scale[n_block];
       pipe_k.consumer_wait(state_kv);
       pingpong.wait_turn();
       warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
-      pipe_vt.consumer_wait(state_v);
-      warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+      Softmax::rescale(acc_o, correction);  // O is not an operand of the S GEMM in flight
+      pipe_vt.consumer_wait(state_vt);
+      warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_vt.index()), acc_o);
       pingpong.pass_turn();
       warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
       pipe_k.consumer_release(state_kv);
+      ++state_kv;
       if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
       softmax.max_and_exp(tSrS, q_to_log2 * ks_next, correction);
       const float v_ratio = vs / vs_next;
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) { correction[r] *= v_ratio; }
-      warpgroup_wait<0>();  // P.V retired: O and the P registers are free
-      pipe_vt.consumer_release(state_v);
-      Softmax::rescale(acc_o, correction);
+      warpgroup_wait<0>();  // P.V retired: the P registers are free
+      pipe_vt.consumer_release(state_vt);
+      ++state_vt;
       pack_p_fp8(tSrS, tOrP);
       vs = vs_next;
-      state_v = state_kv;
-      ++state_kv;
     }
-    pipe_vt.consumer_wait(state_v);
+    Softmax::rescale(acc_o, correction);
+    pipe_vt.consumer_wait(state_vt);
     pingpong.wait_turn();
-    warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+    warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_vt.index()), acc_o);
     pingpong.pass_turn();
     warpgroup_wait<0>();
-    pipe_vt.consumer_release(state_v);
+    pipe_vt.consumer_release(state_vt);
+    ++state_vt;
     return vs;
   }
 };

@@ -27,7 +27,19 @@ struct Fp8FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = kFp8BlockM;
   static constexpr int kBlockN = fp8_block_n(HeadDim);
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 2;  // K and V (as TMA writes it) rings
+  // V^T ring. The transposer fills stage j + kStagesVt only after both
+  // consumer warpgroups have retired P_j V_j; with 2 stages that put the
+  // transpose of V_{j+2} on the consumers' critical path (it could start only
+  // once warpgroup 2 finished block j+1's softmax, and warpgroup 1 needs it
+  // half a block later). Deeper rings let the transposer run as far ahead as
+  // the K/V ring allows. As many stages (<= 4) as shared memory holds:
+  // d64 / d128: 4, d256: 4 (224 KB with the 64 KB bf16 O buffer).
+  static constexpr int kVtStageBytes = kBlockN * HeadDim;  // e4m3
+  static constexpr int kSmemBytesFixed =
+      kFp8BlockM * HeadDim + 2 * kStages * kVtStageBytes + kFp8BlockM * HeadDim * int(sizeof(ElementO));
+  static constexpr int kStagesVt = kSmemBytesFixed + 4 * kVtStageBytes + 1024 <= 227 * 1024 ? 4
+                                 : kSmemBytesFixed + 3 * kVtStageBytes + 1024 <= 227 * 1024 ? 3 : 2;
   static constexpr bool kPingPong = true;
   static_assert(kBlockN % 32 == 0, "P.V consumes P in k32 slices");
 
@@ -81,20 +93,20 @@ struct Fp8FwdTraits {
   using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
       GMMA::Major::K, Element, Int<kHeadDim>, Int<kBlockN>>());
   using SmemLayoutVt = decltype(tile_to_shape(
-      SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+      SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesVt>>{}));
 
   using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
       GMMA::Major::K, ElementO, Int<kBlockM>, Int<kHeadDim>>());
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   static constexpr int kSmemBytesNoO =
-      int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 3 * cosize_v<SmemLayoutK>) + 1024;
+      int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutK> + cosize_v<SmemLayoutVt>) + 1024;
   static constexpr bool kSeparateO =
       kSmemBytesNoO + int(sizeof(ElementO)) * cosize_v<SmemLayoutO> <= 227 * 1024;
   static_assert(kSeparateO, "FP8 tiles are chosen so that O has its own buffer");
 
   using PipelineQ = cutlass::PipelineTmaAsync<1>;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineVt = cutlass::PipelineAsync<kStages>;
+  using PipelineVt = cutlass::PipelineAsync<kStagesVt>;
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;

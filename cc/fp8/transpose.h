@@ -29,6 +29,8 @@ CUTE_HOST_DEVICE constexpr int vt_key_of(int p) {
 
 // 32-bit shared-memory accesses by 32-bit shared address (a dereference of
 // the pointer CuTe hands out compiles to generic LD/ST, 64-bit addresses).
+// volatile keeps them behind the pipeline waits; it also keeps them in
+// program order, so transpose() issues all loads of a column block first.
 CUTE_DEVICE uint32_t lds32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
@@ -51,51 +53,87 @@ struct VTransposer {
   // (rows d, p in two chunks) hit at most 2 lanes per bank under the
   // 128-byte swizzle (a lane -> column mapping was 16-way on stores).
   //
-  // A warp owns whole 16-column blocks and walks the key slices with
-  // addresses computed once per block: slice kb of V starts 32 rows further
-  // (a whole number of 8-row swizzle atoms, so the byte offset just grows by
-  // layout_v(32, 0, 0)); slice kb of V^T is 32*kb bytes further along a
-  // swizzled row, which only flips address bits 5-6 (XOR 32*kb), untouched
-  // by the key offset of a slice (< 32) and by the 1024-aligned bases.
+  // Addresses. The layouts are swizzle(linear(coord)), the swizzle an XOR of
+  // row bits into 16-byte-chunk bits, so an offset splits into a per-lane
+  // part (computed once per kernel: lane_offsets), a per-column-block part
+  // (uniform across the warp: cb is derived from the warp index) and
+  // compile-time parts per key slice / V^T row, combined with + where the
+  // parts occupy disjoint bits and ^ where they meet in the chunk bits. The
+  // split is checked element by element against the CuTe layouts on the host
+  // (tests/fp8_transpose_addr.cu). The previous version evaluated the
+  // layouts per unit: ~90 address instructions per 1 KB and, in the 24
+  // registers the d256 producer has, 68 spill stores / 62 loads, most in
+  // this loop -- a V tile took longer than the consumers' P.V on it.
+  using LayoutV = typename Traits::SmemLayoutV;
+  using LayoutVt = typename Traits::SmemLayoutVt;
 
-  // tid in [0, kNumTransposeThreads); stage indices of the V and V^T rings.
-  CUTE_DEVICE static void transpose(typename Traits::SharedStorage& smem, int tid,
-                                    int v_stage, int vt_stage) {
-    // Byte offsets from the swizzled layouts (e4m3: one byte per element) on
-    // 32-bit shared addresses: the producer warps run at 32-48 registers and
-    // share issue slots with the consumers, so the inner loop is just
-    // LDS / PRMT / LOP3 / STS.
-    const typename Traits::SmemLayoutV layout_v{};
-    const typename Traits::SmemLayoutVt layout_vt{};
-    static_assert(kBlockN <= 128, "V^T rows of one swizzle atom: the XOR step needs it");
-    const uint32_t v_base = cute::cast_smem_ptr_to_uint(smem.v.data()) + uint32_t(layout_v(0, 0, v_stage));
-    const uint32_t vt_base = cute::cast_smem_ptr_to_uint(smem.vt.data()) + uint32_t(layout_vt(0, 0, vt_stage));
-    const uint32_t v_slice = uint32_t(layout_v(32, 0, 0));
-    const int warp = tid / 32, lane = tid % 32;
+  // Stage-0 byte offsets straight from the layouts (e4m3: 1 byte/element).
+  CUTE_HOST_DEVICE static uint32_t v_off(int key, int d) { return uint32_t(LayoutV{}(key, d, 0)); }
+  CUTE_HOST_DEVICE static uint32_t vt_off(int d, int p) { return uint32_t(LayoutVt{}(d, p, 0)); }
+  CUTE_HOST_DEVICE static uint32_t v_stage_off(int stage) { return uint32_t(LayoutV{}(0, 0, stage)); }
+  CUTE_HOST_DEVICE static uint32_t vt_stage_off(int stage) { return uint32_t(LayoutVt{}(0, 0, stage)); }
+
+  struct Lane {
+    uint32_t v0, v1;  // V: keys key0, key0 + 1 at column 4*dl (slice 0, column block 0)
+    uint32_t vt;      // V^T: row 4*dl, position p0 (slice 0, column block 0)
+  };
+  CUTE_HOST_DEVICE static Lane lane_offsets(int lane) {
     const int dl = lane % 4, t = (lane / 4) % 4, h = lane / 16;
     const int p0 = 16 * h + 4 * t;     // k-position in slice 0 (4 consecutive bytes)
     const int key0 = vt_key_of(p0);    // its 4 keys: key0 + {0, 1, 8, 9}
+    return {v_off(key0, 4 * dl), v_off(key0 + 1, 4 * dl), vt_off(4 * dl, p0)};
+  }
+  CUTE_HOST_DEVICE static int lane_key0(int lane) { return vt_key_of(16 * (lane / 16) + 4 * ((lane / 4) % 4)); }
+
+  // Offset (from the stage base) of word e (key key0 + (e & 1) + 8 (e >> 1))
+  // that lane loads for column block cb, slice kb; of V^T row i it stores.
+  CUTE_HOST_DEVICE static uint32_t v_word(const Lane& l, int e, int cb, int kb) {
+    return (((e & 1) ? l.v1 : l.v0) ^ v_off(0, 16 * cb)) + v_off(32 * kb + 8 * (e >> 1), 0);
+  }
+  CUTE_HOST_DEVICE static uint32_t vt_word(const Lane& l, int i, int cb, int kb) {
+    return (l.vt ^ vt_off(16 * cb, 0)) ^ vt_off(i, 32 * kb);
+  }
+  // transpose() adds the stage base (a multiple of 1024 bytes) after the
+  // XORs, which only touch bits below 10 -- hence these.
+  static_assert(cosize_v<LayoutV> % (1024 * Traits::kStages) == 0 &&
+                    cosize_v<LayoutVt> % (1024 * Traits::kStagesVt) == 0,
+                "stage bases must be 1024-byte aligned");
+
+  // tid-independent; warp in [0, kWarps) warp-uniform; stage indices of the V
+  // and V^T rings.
+  CUTE_DEVICE static void transpose(typename Traits::SharedStorage& smem, const Lane& lane, int warp,
+                                    int v_stage, int vt_stage) {
+    const uint32_t v_base = cute::cast_smem_ptr_to_uint(smem.v.data()) + v_stage_off(v_stage);
+    const uint32_t vt_base = cute::cast_smem_ptr_to_uint(smem.vt.data()) + vt_stage_off(vt_stage);
     CUTLASS_PRAGMA_NO_UNROLL
     for (int cb = warp; cb < kColBlocks; cb += kWarps) {
-      const int d0 = cb * 16 + 4 * dl;
-      uint32_t ld[4], st[4];
+      const uint32_t vc = v_off(0, 16 * cb);
+      const uint32_t a0 = v_base + (lane.v0 ^ vc);
+      const uint32_t a1 = v_base + (lane.v1 ^ vc);
+      const uint32_t z = vt_base + (lane.vt ^ vt_off(16 * cb, 0));
+      // All loads of the column block first: one shared-memory latency per
+      // block instead of one per slice (the asm is volatile: no reordering).
+      uint32_t w[kSlices][4];
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        ld[i] = v_base + uint32_t(layout_v(key0 + (i & 1) + 8 * (i >> 1), d0, 0));
-        st[i] = vt_base + uint32_t(layout_vt(d0 + i, p0, 0));
+      for (int kb = 0; kb < kSlices; ++kb) {
+        const uint32_t r0 = v_off(32 * kb, 0), r8 = v_off(32 * kb + 8, 0);  // compile-time
+        w[kb][0] = lds32(a0 + r0);
+        w[kb][1] = lds32(a1 + r0);
+        w[kb][2] = lds32(a0 + r8);
+        w[kb][3] = lds32(a1 + r8);
       }
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < kSlices; ++kb) {
-        uint32_t w[4];
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < 4; ++i) { w[i] = lds32(ld[i] + kb * v_slice); }
-        // 4x4 byte transpose: out[j] byte i = w[i] byte j.
-        uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), hi01 = __byte_perm(w[0], w[1], 0x7362);
-        uint32_t lo23 = __byte_perm(w[2], w[3], 0x5140), hi23 = __byte_perm(w[2], w[3], 0x7362);
-        sts32(st[0] ^ (32u * kb), __byte_perm(lo01, lo23, 0x5410));
-        sts32(st[1] ^ (32u * kb), __byte_perm(lo01, lo23, 0x7632));
-        sts32(st[2] ^ (32u * kb), __byte_perm(hi01, hi23, 0x5410));
-        sts32(st[3] ^ (32u * kb), __byte_perm(hi01, hi23, 0x7632));
+        // 4x4 byte transpose: out[i] byte j = w[j] byte i.
+        const uint32_t lo01 = __byte_perm(w[kb][0], w[kb][1], 0x5140);
+        const uint32_t hi01 = __byte_perm(w[kb][0], w[kb][1], 0x7362);
+        const uint32_t lo23 = __byte_perm(w[kb][2], w[kb][3], 0x5140);
+        const uint32_t hi23 = __byte_perm(w[kb][2], w[kb][3], 0x7362);
+        // vt_base is 1024-aligned and vt_off(i, 32 kb) < 1024: ^ commutes with it.
+        sts32(z ^ vt_off(0, 32 * kb), __byte_perm(lo01, lo23, 0x5410));
+        sts32(z ^ vt_off(1, 32 * kb), __byte_perm(lo01, lo23, 0x7632));
+        sts32(z ^ vt_off(2, 32 * kb), __byte_perm(hi01, hi23, 0x5410));
+        sts32(z ^ vt_off(3, 32 * kb), __byte_perm(hi01, hi23, 0x7632));
       }
     }
     // Generic-proxy stores must be visible to WGMMA (async proxy) reads.
