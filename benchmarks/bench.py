@@ -182,14 +182,33 @@ def write_csv(rows: list[Row], path: str) -> None:
   os.replace(tmp, path)
 
 
-def plot(rows: list[Row], path: str, title: str = "") -> bool:
-  """TFLOP/s vs seqlen, one panel per (mode, causal, head dim)."""
+def pyplot():
+  """matplotlib.pyplot on the Agg backend, or None (tables work without it)."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except Exception as e:  # noqa: BLE001
-    print(f"[plot] matplotlib not available ({e}); skipping {path}")
+    print(f"[plot] matplotlib not available ({e}); no plot")
+    return None
+  return plt
+
+
+def save_figure(plt, fig, path: str, title: str = "") -> bool:
+  if title:
+    fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"[plot] wrote {path}")
+  return True
+
+
+def plot(rows: list[Row], path: str, title: str = "") -> bool:
+  """TFLOP/s vs seqlen, one panel per (mode, causal, head dim)."""
+  plt = pyplot()
+  if plt is None:
     return False
   ok = [r for r in rows if r.status == "ok" and r.tflops]
   if not ok:
@@ -229,14 +248,7 @@ def plot(rows: list[Row], path: str, title: str = "") -> bool:
       if i == nr - 1:
         ax.set_xlabel("seqlen")
       ax.legend(fontsize=7)
-  if title:
-    fig.suptitle(title, fontsize=9)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  print(f"[plot] wrote {path}")
-  return True
+  return save_figure(plt, fig, path, title)
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -450,6 +462,19 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
 # ---------------------------------------------------------------------------
 
 
+def measure_all(jobs, measure, save) -> list:
+  """rows of measure(job) for every job; save(rows) after each, so partial
+  results survive a crash or Ctrl-C."""
+  rows: list = []
+  try:
+    for job in jobs:
+      rows += measure(job)
+      save(rows)
+  except KeyboardInterrupt:
+    print("interrupted; writing partial results", flush=True)
+  return rows
+
+
 def _int_list(s: str) -> list[int]:
   out = []
   for tok in s.split(","):
@@ -545,16 +570,16 @@ def main(argv=None) -> int:
 
   os.makedirs(args.out, exist_ok=True)
   csv_path = os.path.join(args.out, "results.csv")
-  rows: list[Row] = []
   t_start = time.time()
-  try:
-    for s in sorted(shapes, key=lambda x: (x.hdim, x.seqlen, x.causal)):
-      rows += measure_shape(s, args.impl_list, args.mode_list,
-                            args.dtype_name, args)
-      fill_ratios(rows)
-      write_csv(rows, csv_path)  # incremental: partial results survive
-  except KeyboardInterrupt:
-    print("interrupted; writing partial results", flush=True)
+
+  def save(rows):
+    fill_ratios(rows)
+    write_csv(rows, csv_path)
+
+  rows = measure_all(
+      sorted(shapes, key=lambda x: (x.hdim, x.seqlen, x.causal)),
+      lambda s: measure_shape(s, args.impl_list, args.mode_list,
+                              args.dtype_name, args), save)
   fill_ratios(rows)
   write_csv(rows, csv_path)
   print(f"\n{header} | wall={time.time() - t_start:.0f}s")

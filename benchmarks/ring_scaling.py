@@ -152,12 +152,8 @@ def bar_lines(rows) -> list[str]:
 
 
 def plot(rows, path, title) -> bool:
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except Exception as e:  # noqa: BLE001
-    print(f"[plot] matplotlib not available ({e}); no plot")
+  plt = bench.pyplot()
+  if plt is None:
     return False
   ok = [r for r in rows if r.status == "ok" and r.tflops_per_gpu]
   if not ok:
@@ -187,12 +183,7 @@ def plot(rows, path, title) -> bool:
       ax.set_xlabel("GPUs")
       ax.grid(alpha=0.3)
       ax.legend(fontsize=7)
-  fig.suptitle(title, fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  print(f"[plot] wrote {path}")
-  return True
+  return bench.save_figure(plt, fig, path, title)
 
 
 # ------------------------------------------------------------ measurement
@@ -421,15 +412,11 @@ def main(argv=None) -> int:
 
   os.makedirs(args.out, exist_ok=True)
   csv_path = os.path.join(args.out, "ring_scaling.csv")
-  rows: list[Row] = []
   t0 = time.time()
-  try:
-    for s in args.seqlens:
-      for c in args.causals:
-        rows += b.measure(s, c, procs, args.mode_list)
-        write_csv(rows, csv_path)  # partial results survive a crash
-  except KeyboardInterrupt:
-    print("interrupted; writing partial results", flush=True)
+  rows = bench.measure_all(
+      [(s, c) for s in args.seqlens for c in args.causals],
+      lambda sc: b.measure(sc[0], sc[1], procs, args.mode_list),
+      lambda rows: write_csv(rows, csv_path))
   write_csv(rows, csv_path)
   table = format_table(rows)
   bars = bar_lines(rows)

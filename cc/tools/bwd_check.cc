@@ -28,6 +28,7 @@ extern "C" int jax_fa3_bwd_launch(const jax_fa3::BwdParams* p, int dtype, cudaSt
 
 namespace {
 
+using check_util::case_lengths;
 using check_util::fill_normal;
 using check_util::from_half;
 using check_util::NormalRng;
@@ -199,10 +200,8 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
   fill_normal(hk, rng, bf16);
   fill_normal(hv, rng, bf16);
   fill_normal(hdo, rng, bf16);
-  std::vector<int32_t> qlen(c.b, c.t), kvlen(c.b, c.s);
-  if (c.lens) {
-    for (int i = 0; i < c.b; ++i) { qlen[i] = (c.t * (i + 1)) / (c.b + 1); kvlen[i] = c.s - 7 * i; }
-  }
+  std::vector<int32_t> qlen, kvlen;
+  case_lengths(c.b, c.t, c.s, c.lens, qlen, kvlen);
   CHECK_CUDA(cudaMemcpy(m.q, hq.data(), m.nq() * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.k, hk.data(), m.nk() * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.v, hv.data(), m.nk() * 2, cudaMemcpyHostToDevice));

@@ -78,6 +78,16 @@ inline void fill_normal(std::vector<uint16_t>& v, NormalRng& rng, bool bf16) {
   for (auto& x : v) x = to_half(rng(), bf16);
 }
 
+// Per-batch query / key lengths of a check case: the full lengths, or (lens)
+// batch-dependent shorter ones, so padding rows and columns are exercised.
+inline void case_lengths(int b, int t, int s, bool lens, std::vector<int32_t>& qlen,
+                         std::vector<int32_t>& kvlen) {
+  qlen.assign(b, t);
+  kvlen.assign(b, s);
+  if (!lens) return;
+  for (int i = 0; i < b; ++i) { qlen[i] = (t * (i + 1)) / (b + 1); kvlen[i] = s - 7 * i; }
+}
+
 // Waits for the legacy default stream like cudaDeviceSynchronize, but gives up
 // after limit_s: a hung kernel then ends the process with a clear line instead
 // of a silent timeout (std::_Exit skips the CUDA teardown, which would wait).

@@ -154,8 +154,8 @@ bool run_case(const Case& c, int d, uint32_t seed) {
   for (auto& t : h16) check_util::fill_normal(t, rng, true);
   std::vector<float> signs(d);
   for (auto& s : signs) s = (rng.gen() & 1) ? 1.f : -1.f;
-  std::vector<int32_t> qlen(c.b, c.t), kvlen(c.b, c.s);
-  if (c.lens) for (int i = 0; i < c.b; ++i) { qlen[i] = (c.t * (i + 1)) / (c.b + 1); kvlen[i] = c.s - 7 * i; }
+  std::vector<int32_t> qlen, kvlen;
+  check_util::case_lengths(c.b, c.t, c.s, c.lens, qlen, kvlen);
 
   Buffers m = alloc(c, d);
   CHECK_CUDA(cudaMemcpy(m.q, h16[0].data(), nq * 2, cudaMemcpyHostToDevice));

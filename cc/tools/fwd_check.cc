@@ -24,6 +24,7 @@ extern "C" int jax_fa3_fwd_launch(const jax_fa3::FwdParams* p, int dtype, const 
 
 namespace {
 
+using check_util::case_lengths;
 using check_util::fill_normal;
 using check_util::NormalRng;
 
@@ -45,10 +46,8 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
   fill_normal(hq, rng, bf16);
   fill_normal(hk, rng, bf16);
   fill_normal(hv, rng, bf16);
-  std::vector<int32_t> qlen(c.b, c.t), kvlen(c.b, c.s);
-  if (c.lens) {
-    for (int i = 0; i < c.b; ++i) { qlen[i] = (c.t * (i + 1)) / (c.b + 1); kvlen[i] = c.s - 7 * i; }
-  }
+  std::vector<int32_t> qlen, kvlen;
+  case_lengths(c.b, c.t, c.s, c.lens, qlen, kvlen);
 
   void *dq, *dk, *dv, *dout; float* dlse; int32_t *dql, *dkl;
   CHECK_CUDA(cudaMalloc(&dq, nq * 2)); CHECK_CUDA(cudaMalloc(&dk, nk * 2));
