@@ -1,7 +1,8 @@
 // The warp-specialized FP8 forward kernel and its host launcher. Roles:
 //   producer warpgroup, warp 0: one thread issues the TMA loads of Q, K, V
 //                               (fwd/producer.h, unchanged);
-//   producer warpgroup, warps 1-3: transpose each V tile into V^T (transpose.h);
+//   producer warpgroup, warps 1-3: transpose each V tile into V^T (transpose.h),
+//                               into a V^T ring deeper than the K/V ring;
 //   consumer warpgroups 1, 2: QGMMAs, softmax, epilogue (mainloop.h).
 // Include from exactly one generated .cu per (output dtype, head dim).
 #pragma once
@@ -135,8 +136,10 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     Mainloop mainloop;
+    // Ping-pong for masked problems too, as the 16-bit kernel does by default
+    // (pingpong_masked; with the paired causal order it measured a gain there).
     typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup,
-                                         p.window_left < 0 && p.window_right < 0};
+                                         p.pingpong_masked || (p.window_left < 0 && p.window_right < 0)};
     pingpong.init();
     auto state_q = typename PipelineQ::PipelineState{};
     auto state_kv = typename PipelineKV::PipelineState{};

@@ -1,7 +1,8 @@
 // FP8 consumer mainloop: per K/V block, S = Q K^T (SS QGMMA, FP32 accumulate),
 // descale + online softmax in FP32, P -> e4m3 in registers, O += P V^T-tile
-// (RS QGMMA). Same software pipeline as fwd/mainloop.h with intra-warpgroup
-// overlap and ping-pong; V arrives through the transposer's pipeline.
+// (RS QGMMA). Ping-pong between the consumer warpgroups as in fwd/mainloop.h;
+// within one, P.V overlaps the softmax through a double-buffered P (run()).
+// V arrives through the transposer's pipeline.
 //
 // Block scales: S_true = S * qs * ks_j enters softmax as one factor per block
 // (Fp8OnlineSoftmax). O is accumulated in units of the current V block's
@@ -65,13 +66,16 @@ struct Fp8ConsumerMainloop {
   // the V scale acc_o is expressed in (1 when the tile is empty). state_vt
   // walks the V^T ring, which is deeper than the K/V ring (traits.h).
   //
-  // Per block j (FA3's order): issue S_j = Q K_j^T; rescale O into block
-  // j-1's frame while that GEMM runs; issue O += P_{j-1} V_{j-1}; softmax of
-  // S_j overlaps the P.V GEMM; after it retires only P_j's e4m3 packing is
-  // left. (Rescaling after the P.V wait, as before, put 64-128 FMULs per
-  // thread between the GEMM's retirement and the next issue.) The arithmetic
-  // on O is unchanged: it is still multiplied by correction_{j-1} before
-  // P_{j-1} V_{j-1} is added.
+  // Block j: issue S_j = Q K_j^T; wait for P_{j-2} V_{j-2}; rescale O into
+  // block j-1's frame while S_j runs; issue O += P_{j-1} V_{j-1}; softmax of
+  // S_j and packing of P_j overlap that GEMM, which is waited for only after
+  // the next S GEMM has been issued. P is double-buffered (the loop is
+  // unrolled by two) so that packing P_j never writes registers the P.V
+  // GEMM in flight reads. With one buffer (FA3's order: wait for P.V, then
+  // convert), ptxas hoists that wait above the softmax -- WARPGROUP.DEPBAR
+  // right after the masking code, so softmax never overlapped P.V (seen in
+  // this kernel's SASS and in the 16-bit forward's). O's arithmetic is
+  // unchanged: O * correction_{j-1} + P_{j-1} V_{j-1}, in this order.
   template <class PipelineKV, class StateKV, class PipelineVt, class StateVt, class TO>
   CUTE_DEVICE float run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
                         const TileMask<kBlockM, kBlockN>& mask, float q_to_log2,
@@ -91,57 +95,75 @@ struct Fp8ConsumerMainloop {
     Tensor cS = thr_qk.partition_C(make_identity_tensor(TileS{}));
 
     Tensor tSrS = partition_fragment_C(mma_qk, TileS{});
-    Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_pv, TileS{}));
-    // Factor for O before the pending P.V: the first block's is 0 (its
-    // running max was -inf) and O is still zero then, so it stays zero.
+    Tensor tOrP0 = make_tensor<Element>(partition_shape_A(mma_pv, TileS{}));
+    Tensor tOrP1 = make_tensor<Element>(partition_shape_A(mma_pv, TileS{}));
+    // Factor for O before the next P.V: the first block's is 0 (its running
+    // max was -inf) and O is still zero then, so it stays zero.
     float correction[kRows];
 
     int n_block = mask.n_block_max - 1;
-    float ks = k_scale[n_block];
     float vs = v_scale[n_block];
-    pipe_k.consumer_wait(state_kv);
-    pingpong.wait_turn();
-    warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
-    pingpong.pass_turn();
-    warpgroup_wait<0>();
-    pipe_k.consumer_release(state_kv);
-    ++state_kv;
-    if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
-    softmax.max_and_exp(tSrS, q_to_log2 * ks, correction);
-    pack_p_fp8(tSrS, tOrP);
-
-    for (--n_block; n_block >= mask.n_block_min; --n_block) {
-      const float ks_next = k_scale[n_block];
-      const float vs_next = v_scale[n_block];
+    {
+      const float ks = k_scale[n_block];
       pipe_k.consumer_wait(state_kv);
       pingpong.wait_turn();
-      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
-      Softmax::rescale(acc_o, correction);  // O is not an operand of the S GEMM in flight
-      pipe_vt.consumer_wait(state_vt);
-      warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_vt.index()), acc_o);
+      warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
       pingpong.pass_turn();
-      warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+      warpgroup_wait<0>();
       pipe_k.consumer_release(state_kv);
       ++state_kv;
       if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
+      softmax.max_and_exp(tSrS, q_to_log2 * ks, correction);
+      pack_p_fp8(tSrS, tOrP0);
+    }
+
+    StateVt state_vt_busy = state_vt;  // oldest V^T stage a P.V may still read
+    bool pv_in_flight = false;
+    // One K/V block: p_prev holds the previous block's P, p_next receives this one's.
+    auto block = [&](auto& p_prev, auto& p_next, int n) {
+      const float ks_next = k_scale[n];
+      const float vs_next = v_scale[n];
+      pipe_k.consumer_wait(state_kv);
+      pingpong.wait_turn();
+      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
+      warpgroup_wait<1>();  // the previous P.V retired (S_j may run): O is free
+      if (pv_in_flight) { pipe_vt.consumer_release(state_vt_busy); ++state_vt_busy; }
+      Softmax::rescale(acc_o, correction);
+      pipe_vt.consumer_wait(state_vt);
+      warpgroup_gemm<false, -1>(mma_pv, p_prev, tOrV(_, _, _, state_vt.index()), acc_o);
+      ++state_vt;
+      pv_in_flight = true;
+      pingpong.pass_turn();
+      warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run (it reads p_prev)
+      pipe_k.consumer_release(state_kv);
+      ++state_kv;
+      if (mask.needs_mask(n)) { mask.apply(tSrS, cS, n); }
       softmax.max_and_exp(tSrS, q_to_log2 * ks_next, correction);
       const float v_ratio = vs / vs_next;
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) { correction[r] *= v_ratio; }
-      warpgroup_wait<0>();  // P.V retired: the P registers are free
+      pack_p_fp8(tSrS, p_next);
+      vs = vs_next;
+    };
+    // The last block's P.V.
+    auto last = [&](auto& p_last) {
+      warpgroup_wait<0>();
+      if (pv_in_flight) { pipe_vt.consumer_release(state_vt_busy); ++state_vt_busy; }
+      Softmax::rescale(acc_o, correction);
+      pipe_vt.consumer_wait(state_vt);
+      pingpong.wait_turn();
+      warpgroup_gemm<false, -1>(mma_pv, p_last, tOrV(_, _, _, state_vt.index()), acc_o);
+      pingpong.pass_turn();
+      warpgroup_wait<0>();
       pipe_vt.consumer_release(state_vt);
       ++state_vt;
-      pack_p_fp8(tSrS, tOrP);
-      vs = vs_next;
+    };
+    for (--n_block;; n_block -= 2) {
+      if (n_block < mask.n_block_min) { last(tOrP0); break; }
+      block(tOrP0, tOrP1, n_block);
+      if (n_block - 1 < mask.n_block_min) { last(tOrP1); break; }
+      block(tOrP1, tOrP0, n_block - 1);
     }
-    Softmax::rescale(acc_o, correction);
-    pipe_vt.consumer_wait(state_vt);
-    pingpong.wait_turn();
-    warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_vt.index()), acc_o);
-    pingpong.pass_turn();
-    warpgroup_wait<0>();
-    pipe_vt.consumer_release(state_vt);
-    ++state_vt;
     return vs;
   }
 };

@@ -15,6 +15,17 @@
 
 namespace jax_fa3 {
 
+// v[0] = max(v[0 .. 2W)), halving the width per step (compile-time: a
+// run-time halving loop was left rolled, through local memory).
+template <int W, int N>
+CUTE_DEVICE void fold_max(float (&v)[N]) {
+  if constexpr (W >= 1) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < W; ++c) { v[c] = fmaxf(v[c], v[c + W]); }
+    fold_max<W / 2>(v);
+  }
+}
+
 template <int kRows>
 struct Fp8OnlineSoftmax {
   static constexpr float kPShift = 8.f;
@@ -33,12 +44,18 @@ struct Fp8OnlineSoftmax {
   CUTE_DEVICE void max_and_exp(TS& scores, float to_log2, float (&correction)[kRows]) {
     Tensor s = as_rowcol(scores);
     static_assert(decltype(size<0>(s))::value == kRows);
+    constexpr int kCols = decltype(size<1>(s))::value;
+    static_assert((kCols & (kCols - 1)) == 0, "tree reduction over a power-of-two row");
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = -INFINITY;
+      // Pairwise tree: log2(kCols) dependent FMNMX instead of a kCols-long
+      // chain (max is exact in any order). The row max gates everything
+      // after it in the softmax, which sits on the warpgroup's critical path.
+      float part[kCols / 2];
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) { m = fmaxf(m, s(r, c)); }
-      m = fmaxf(row_max[r], quad_max(m) * to_log2);
+      for (int c = 0; c < kCols / 2; ++c) { part[c] = fmaxf(s(r, c), s(r, c + kCols / 2)); }
+      fold_max<kCols / 4>(part);
+      float m = fmaxf(row_max[r], quad_max(part[0]) * to_log2);
       // Rows that have seen only masked keys keep max -inf: offset 0 then.
       const float m_safe = m == -INFINITY ? 0.f : m;
       correction[r] = exp2f(row_max[r] - m_safe);

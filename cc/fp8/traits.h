@@ -27,14 +27,19 @@ struct Fp8FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = kFp8BlockM;
   static constexpr int kBlockN = fp8_block_n(HeadDim);
-  static constexpr int kStages = 2;  // K and V (as TMA writes it) rings
-  // V^T ring. The transposer fills stage j + kStagesVt only after both
-  // consumer warpgroups have retired P_j V_j; with 2 stages that put the
-  // transpose of V_{j+2} on the consumers' critical path (it could start only
-  // once warpgroup 2 finished block j+1's softmax, and warpgroup 1 needs it
-  // half a block later). Deeper rings let the transposer run as far ahead as
-  // the K/V ring allows. As many stages (<= 4) as shared memory holds:
-  // d64 / d128: 4, d256: 4 (224 KB with the 64 KB bf16 O buffer).
+  // K and V (as TMA writes it) rings. A K stage is refilled once both
+  // consumer warpgroups have retired the S GEMM that read it, so with 2
+  // stages a K load has about one block of FP8 compute (~1 us at d256, ~1.4
+  // us at d128 at the target rates) to land. d64 / d128 have the shared
+  // memory for a third stage; d256 (64 KB of bf16 O staging) does not.
+  static constexpr int kStages = HeadDim >= 256 ? 2 : 3;
+  // V^T ring. A stage is free again once both warpgroups have retired the
+  // P.V GEMM reading it, which the mainloop waits for only after issuing the
+  // next S GEMM (P.V overlaps the softmax). With 2 stages the transpose of
+  // V_{j+2} waited for that, i.e. sat on the consumers' critical path; with
+  // 4 the transposer runs as far ahead as the K/V ring allows. As many
+  // stages (<= 4) as shared memory holds: 4 for every head dim (d256: 224 KB
+  // with the 64 KB bf16 O buffer).
   static constexpr int kVtStageBytes = kBlockN * HeadDim;  // e4m3
   static constexpr int kSmemBytesFixed =
       kFp8BlockM * HeadDim + 2 * kStages * kVtStageBytes + kFp8BlockM * HeadDim * int(sizeof(ElementO));

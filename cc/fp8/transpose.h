@@ -40,6 +40,18 @@ CUTE_DEVICE void sts32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
+// __byte_perm, also on the host (cc/fp8/transpose_check.cu).
+CUTE_HOST_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t x = (uint64_t(b) << 32) | a;
+  uint32_t r = 0;
+  for (int k = 0; k < 4; ++k) { r |= uint32_t((x >> (8 * ((sel >> (4 * k)) & 7))) & 0xff) << (8 * k); }
+  return r;
+#endif
+}
+
 template <class Traits>
 struct VTransposer {
   static constexpr int kBlockN = Traits::kBlockN;
@@ -60,7 +72,7 @@ struct VTransposer {
   // compile-time parts per key slice / V^T row, combined with + where the
   // parts occupy disjoint bits and ^ where they meet in the chunk bits. The
   // split is checked element by element against the CuTe layouts on the host
-  // (tests/fp8_transpose_addr.cu). The previous version evaluated the
+  // (cc/fp8/transpose_check.cu runs transpose_blocks on a byte array). The previous version evaluated the
   // layouts per unit: ~90 address instructions per 1 KB and, in the 24
   // registers the d256 producer has, 68 spill stores / 62 loads, most in
   // this loop -- a V tile took longer than the consumers' P.V on it.
@@ -83,28 +95,19 @@ struct VTransposer {
     const int key0 = vt_key_of(p0);    // its 4 keys: key0 + {0, 1, 8, 9}
     return {v_off(key0, 4 * dl), v_off(key0 + 1, 4 * dl), vt_off(4 * dl, p0)};
   }
-  CUTE_HOST_DEVICE static int lane_key0(int lane) { return vt_key_of(16 * (lane / 16) + 4 * ((lane / 4) % 4)); }
-
-  // Offset (from the stage base) of word e (key key0 + (e & 1) + 8 (e >> 1))
-  // that lane loads for column block cb, slice kb; of V^T row i it stores.
-  CUTE_HOST_DEVICE static uint32_t v_word(const Lane& l, int e, int cb, int kb) {
-    return (((e & 1) ? l.v1 : l.v0) ^ v_off(0, 16 * cb)) + v_off(32 * kb + 8 * (e >> 1), 0);
-  }
-  CUTE_HOST_DEVICE static uint32_t vt_word(const Lane& l, int i, int cb, int kb) {
-    return (l.vt ^ vt_off(16 * cb, 0)) ^ vt_off(i, 32 * kb);
-  }
-  // transpose() adds the stage base (a multiple of 1024 bytes) after the
-  // XORs, which only touch bits below 10 -- hence these.
+  // transpose_blocks adds the stage base (a multiple of 1024 bytes) to
+  // offsets it then XORs below bit 10: stages must keep that alignment.
   static_assert(cosize_v<LayoutV> % (1024 * Traits::kStages) == 0 &&
                     cosize_v<LayoutVt> % (1024 * Traits::kStagesVt) == 0,
                 "stage bases must be 1024-byte aligned");
 
-  // tid-independent; warp in [0, kWarps) warp-uniform; stage indices of the V
-  // and V^T rings.
-  CUTE_DEVICE static void transpose(typename Traits::SharedStorage& smem, const Lane& lane, int warp,
-                                    int v_stage, int vt_stage) {
-    const uint32_t v_base = cute::cast_smem_ptr_to_uint(smem.v.data()) + v_stage_off(v_stage);
-    const uint32_t vt_base = cute::cast_smem_ptr_to_uint(smem.vt.data()) + vt_stage_off(vt_stage);
+  // The column blocks of one warp (warp in [0, kWarps)) between stage bases
+  // v_base / vt_base (shared addresses, 1024-aligned). Host-callable with
+  // other load/store functors for the address check.
+#pragma nv_exec_check_disable
+  template <class Load, class Store>
+  CUTE_HOST_DEVICE static void transpose_blocks(const Lane& lane, int warp, uint32_t v_base,
+                                                uint32_t vt_base, Load&& load, Store&& store) {
     CUTLASS_PRAGMA_NO_UNROLL
     for (int cb = warp; cb < kColBlocks; cb += kWarps) {
       const uint32_t vc = v_off(0, 16 * cb);
@@ -117,25 +120,35 @@ struct VTransposer {
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < kSlices; ++kb) {
         const uint32_t r0 = v_off(32 * kb, 0), r8 = v_off(32 * kb + 8, 0);  // compile-time
-        w[kb][0] = lds32(a0 + r0);
-        w[kb][1] = lds32(a1 + r0);
-        w[kb][2] = lds32(a0 + r8);
-        w[kb][3] = lds32(a1 + r8);
+        w[kb][0] = load(a0 + r0);
+        w[kb][1] = load(a1 + r0);
+        w[kb][2] = load(a0 + r8);
+        w[kb][3] = load(a1 + r8);
       }
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < kSlices; ++kb) {
         // 4x4 byte transpose: out[i] byte j = w[j] byte i.
-        const uint32_t lo01 = __byte_perm(w[kb][0], w[kb][1], 0x5140);
-        const uint32_t hi01 = __byte_perm(w[kb][0], w[kb][1], 0x7362);
-        const uint32_t lo23 = __byte_perm(w[kb][2], w[kb][3], 0x5140);
-        const uint32_t hi23 = __byte_perm(w[kb][2], w[kb][3], 0x7362);
+        const uint32_t lo01 = byte_perm(w[kb][0], w[kb][1], 0x5140);
+        const uint32_t hi01 = byte_perm(w[kb][0], w[kb][1], 0x7362);
+        const uint32_t lo23 = byte_perm(w[kb][2], w[kb][3], 0x5140);
+        const uint32_t hi23 = byte_perm(w[kb][2], w[kb][3], 0x7362);
         // vt_base is 1024-aligned and vt_off(i, 32 kb) < 1024: ^ commutes with it.
-        sts32(z ^ vt_off(0, 32 * kb), __byte_perm(lo01, lo23, 0x5410));
-        sts32(z ^ vt_off(1, 32 * kb), __byte_perm(lo01, lo23, 0x7632));
-        sts32(z ^ vt_off(2, 32 * kb), __byte_perm(hi01, hi23, 0x5410));
-        sts32(z ^ vt_off(3, 32 * kb), __byte_perm(hi01, hi23, 0x7632));
+        store(z ^ vt_off(0, 32 * kb), byte_perm(lo01, lo23, 0x5410));
+        store(z ^ vt_off(1, 32 * kb), byte_perm(lo01, lo23, 0x7632));
+        store(z ^ vt_off(2, 32 * kb), byte_perm(hi01, hi23, 0x5410));
+        store(z ^ vt_off(3, 32 * kb), byte_perm(hi01, hi23, 0x7632));
       }
     }
+  }
+
+  // One V tile: stage indices of the V and V^T rings.
+  CUTE_DEVICE static void transpose(typename Traits::SharedStorage& smem, const Lane& lane, int warp,
+                                    int v_stage, int vt_stage) {
+    transpose_blocks(lane, warp,
+                     cute::cast_smem_ptr_to_uint(smem.v.data()) + v_stage_off(v_stage),
+                     cute::cast_smem_ptr_to_uint(smem.vt.data()) + vt_stage_off(vt_stage),
+                     [](uint32_t addr) { return lds32(addr); },
+                     [](uint32_t addr, uint32_t v) { sts32(addr, v); });
     // Generic-proxy stores must be visible to WGMMA (async proxy) reads.
     cutlass::arch::fence_view_async_shared();
   }
