@@ -77,8 +77,8 @@ def attention(query, key, value, *, scale=None, is_causal=False,
     query_seq_lengths, key_value_seq_lengths: optional ``int32[B]``.
     softcap: optional positive float ``c``: ``s = c * tanh(s / c)``.
     precision: None, or ``"fp8"``: bf16/fp16 inputs are quantized to e4m3
-      inside (see :mod:`jax_fa3.fp8`; by default a pure-JAX emulation, the
-      experimental FP8 kernel only with ``JAX_FA3_FP8_KERNEL=1``); the result has
+      inside (see :mod:`jax_fa3.fp8`: the FP8 kernel on an H100/H200, else a
+      pure-JAX emulation; ``JAX_FA3_FP8_KERNEL=0`` forces the emulation); the result has
       the input dtype; gradients are straight-through (the 16-bit backward at
       the original inputs).  Options, for ablation: ``fp8_block_scales``
       (False: one scale per tensor), ``fp8_hadamard`` (random-sign Hadamard

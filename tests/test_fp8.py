@@ -201,15 +201,16 @@ def test_validation_errors():
     jax_fa3.quantize_fp8(q, block_rows=0)
 
 
-def test_fp8_kernel_is_opt_in(monkeypatch):
+def test_fp8_kernel_switch(monkeypatch):
   monkeypatch.delenv(fp8.KERNEL_ENV, raising=False)
-  assert not fp8.fp8_kernel_enabled()
-  assert fp8.KERNEL_ENV in fp8.fp8_kernel_blocker(jnp.bfloat16, 128)
-  for on in ("1", "true"):
+  assert fp8.fp8_kernel_enabled()  # on by default (where it can run)
+  for on in ("1", "true", ""):
     monkeypatch.setenv(fp8.KERNEL_ENV, on)
     assert fp8.fp8_kernel_enabled()
-  monkeypatch.setenv(fp8.KERNEL_ENV, "0")
-  assert not fp8.fp8_kernel_enabled()
+  for off in ("0", "off", "False"):
+    monkeypatch.setenv(fp8.KERNEL_ENV, off)
+    assert not fp8.fp8_kernel_enabled()
+    assert fp8.KERNEL_ENV in fp8.fp8_kernel_blocker(jnp.bfloat16, 128)
 
 
 def test_fp8_emulation_pins_its_e4m3_roundings():
