@@ -44,19 +44,26 @@ struct KeyBlockMask {
   }
 
   // scores: the S^T accumulator (rows = keys, cols = queries); coords: its
-  // identity partition (tile-local (key, query)).
+  // identity partition (tile-local (key, query)). Per key row the visible
+  // queries form one interval [lo, hi), so each element costs two compares and
+  // a select (the element-wise short-circuit test compiled to a branch pair
+  // per element, as it did in the forward: cc/fwd/mask.h).
   template <class TS, class TC>
   CUTE_DEVICE void apply(TS& scores, TC const& coords, int m_block) const {
     Tensor s = as_rowcol(scores);
     Tensor c = as_rowcol(coords);
+    const int row0 = m_block * kBlockM;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
       const int j = n_start + get<0>(c(r, 0));
+      // Queries i with i < q_len, i >= j - right, i <= j + left; none if j >= kv_len.
+      int hi = j < kv_len ? q_len - row0 : -kBlockM;             // tile-local, exclusive
+      if (left >= 0) { hi = min(hi, j + left + 1 - row0); }
+      const int lo = right >= 0 ? j - right - row0 : -kBlockM;   // tile-local, inclusive
       CUTLASS_PRAGMA_UNROLL
       for (int col = 0; col < size<1>(s); ++col) {
-        const int i = m_block * kBlockM + get<1>(c(r, col));
-        bool visible = i < q_len && j < kv_len && (left < 0 || j >= i - left) && (right < 0 || j <= i + right);
-        if (!visible) { s(r, col) = -INFINITY; }
+        const int i = get<1>(c(r, col));
+        s(r, col) = ((i >= lo) & (i < hi)) ? s(r, col) : -INFINITY;
       }
     }
   }
