@@ -290,9 +290,39 @@ def roundoff(x, dtype) -> float:
 
 
 def max_abs_diff(a, b) -> float:
+  """max |a - b| on the host (also for arrays sharded over several devices)."""
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
   return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+# FA3 tolerance rule: kernel results are judged against an fp32 reference
+# relative to what plain XLA attention in the same 16-bit dtype achieves: at
+# most 2x (forward) / 3x (gradients) as far from fp32 as XLA is, plus 1e-3.
+FA3_FACTORS = (2, 3)  # (first result = forward output, the rest = gradients)
+FA3_ATOL = 1e-3
+
+
+def fa3_bound(i, base_err, atol=FA3_ATOL):
+  """Allowed error of result ``i`` given XLA's error ``base_err``."""
+  return (FA3_FACTORS[0] if i == 0 else FA3_FACTORS[1]) * base_err + atol
+
+
+def assert_fa3_tolerance(got, base, ref, names=None, atol=FA3_ATOL):
+  """The FA3 rule for results ``got`` = (out, grads...): each one's max error
+  against ``ref`` (fp32) is within :func:`fa3_bound` of ``base``'s (XLA in
+  bf16/fp16).  Returns ``[(err_got, err_base), ...]``."""
+  got, base, ref = list(got), list(base), list(ref)
+  assert len(got) == len(base) == len(ref)
+  names = names or [f"result {i}" for i in range(len(got))]
+  errs = []
+  for i, (g, b, r) in enumerate(zip(got, base, ref)):
+    eg, eb = max_abs_diff(g, r), max_abs_diff(b, r)
+    errs.append((eg, eb))
+    assert eg <= fa3_bound(i, eb, atol), (
+        f"{names[i]}: max|got - fp32| = {eg:.3e} > bound "
+        f"{fa3_bound(i, eb, atol):.3e} (xla bf16: {eb:.3e})")
+  return errs
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from _fa3_testutil import close  # noqa: F401  (sets the CPU test XLA flags)
-from _fa3_testutil import assert_fa3_tolerance
+from _gpu_ref import assert_fa3_tolerance
 import jax_fa3
 from jax_fa3 import primitives, reference, ring, sharding
 
