@@ -109,12 +109,24 @@ def _build(args, mesh, attention):
     if attention == "fa3":
       return jax_fa3.attention(q, k, v, is_causal=True)
     if args.context > 1:
-      # jax.nn has no ring: gather the sequence (attention runs replicated
-      # over the context axis).  cuDNN's partitioning rule raises on a
-      # sharded sequence ("Sharding on sequence dim is not allowed"), which
-      # Shardy would otherwise propagate here from the token sharding.
-      full = NamedSharding(mesh, P("data", None, "tensor", None))
-      q, k, v = (jax.lax.with_sharding_constraint(x, full) for x in (q, k, v))
+      # jax.nn has no ring: inside shard_map, all-gather the sequence (natural
+      # order), attend over all of it, keep this device's query rows.  Left
+      # to jit, cuDNN's partitioning rule refuses a sharded sequence, and the
+      # constraint-gathered variant trained to NaN on 2 H200s (2026-11-29).
+      spec = P("data", "context", "tensor", None)
+
+      def gathered(q, k, v):
+        t = q.shape[1]
+        k, v = (jax.lax.all_gather(x, "context", axis=1, tiled=True)
+                for x in (k, v))
+        qf = jax.lax.all_gather(q, "context", axis=1, tiled=True)
+        o = jax.nn.dot_product_attention(qf, k, v, is_causal=True,
+                                         implementation=attention)
+        i = jax.lax.axis_index("context")
+        return jax.lax.dynamic_slice_in_dim(o, i * t, t, axis=1)
+
+      return jax.shard_map(gathered, mesh=mesh, in_specs=(spec,) * 3,
+                           out_specs=spec, check_vma=False)(q, k, v)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                         implementation=attention)
 

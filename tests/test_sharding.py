@@ -267,7 +267,10 @@ def test_ring_attention_errors():
 flax = pytest.importorskip("flax")
 
 
-def test_sharded_flax_train_step_matches_single_device():
+@pytest.mark.parametrize("attention", ["fa3", "xla"])
+def test_sharded_flax_train_step_matches_single_device(attention):
+  # xla: the demo's baseline under a context axis (sequence gathered in
+  # shard_map, natural order) must train exactly like one device too.
   from jax_fa3 import demo
   args = demo._parse(["--steps", "2", "--seq-len", "32", "--batch", "4",
                       "--layers", "1", "--period", "8"], on_gpu=False)
@@ -276,8 +279,9 @@ def test_sharded_flax_train_step_matches_single_device():
     args.data, args.tensor, args.context = data, tensor, context
     mesh = Mesh(np.array(devices).reshape(data, tensor, context),
                 ("data", "tensor", "context"))
-    _, init_fn, step_fn, data_sh = demo.make_train_step(args, mesh, "fa3")
-    n_ctx = context
+    _, init_fn, step_fn, data_sh = demo.make_train_step(args, mesh,
+                                                        attention)
+    n_ctx = context if attention == "fa3" else 1  # as demo.train
     losses = []
     state = None
     for i in range(2):
