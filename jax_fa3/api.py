@@ -87,7 +87,8 @@ def attention(query, key, value, *, scale=None, is_causal=False,
       ``"fa3"`` (kernel or ValueError) or ``"reference"``.
     deterministic: if True, the backward kernel sums dQ over key blocks in a
       fixed order, so gradients are bit-identical run to run (slower: key
-      blocks wait for their turn per query block).  The forward is always
+      blocks wait for their turn per query block; about 0.67-0.78x the
+      backward's speed at d128 on an H200).  The forward is always
       deterministic, and so is the reference backward.
 
   Returns:

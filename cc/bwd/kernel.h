@@ -70,7 +70,9 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   PipelineKV pipe_kv(smem.pipe_kv, pkv, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier init visible to all
 
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n_block = KeyBlockMask<kBlockM, kBlockN>::key_block_of(
+      blockIdx.x, gridDim.x, p.deterministic && p.window_right >= 0);
+  const int kv_head = blockIdx.y, batch = blockIdx.z;
   // Built separately on each side of the register split: a value computed
   // before it and live into both sides gets a stack slot (the producer has
   // 24 registers), which the consumer loop then reloads every block.
@@ -128,8 +130,9 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
                      make_stride(int64_t(heads) * HeadDim, _1{}, int64_t(HeadDim),
                                  int64_t(seq) * heads * HeadDim));
   };
-  const dim3 rows_grid((p.t_pad + kBwdRowsPerBlock - 1) / kBwdRowsPerBlock, p.n, p.b);
-  bwd_preprocess<Element><<<rows_grid, kBwdRowsPerBlock * 32, 0, stream>>>(p);
+  constexpr int kPreRows = PreprocessMap<Element, HeadDim>::kRowsPerBlock;
+  const dim3 rows_grid((p.t_pad + kPreRows - 1) / kPreRows, p.n, p.b);
+  bwd_preprocess<Element, HeadDim><<<rows_grid, kBwdPreWarps * 32, 0, stream>>>(p);
   cudaError_t err = cudaMemsetAsync(p.semaphore, 0,
                                     sizeof(int32_t) * size_t(p.b) * p.n * (p.t_pad / kBwdBlockM), stream);
   if (err != cudaSuccess) { return err; }
@@ -145,8 +148,8 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }
-  // Key blocks fastest: in deterministic mode block j waits only on blocks
-  // j' < j of the same (head, batch), which were dispatched before it.
+  // Key blocks fastest: in deterministic mode a block waits only on blocks of
+  // the same (head, batch) dispatched before it (KeyBlockMask::dq_turn).
   dim3 grid((p.s + Traits::kBlockN - 1) / Traits::kBlockN, p.kh, p.b);
   kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
   err = cudaGetLastError();

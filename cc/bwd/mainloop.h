@@ -37,6 +37,7 @@ struct BwdMainloop {
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmaKV mma_kv;
   typename Traits::TiledMmaQ mma_q;
+  int dq_buf = 0;  // staging buffer of the next dQ reduce (kDqBufs > 1), kept across heads
 
   // Deterministic dQ: key block j adds to query block m only after the key
   // blocks before it have (turn = j - first key block of m), so the fp32 sum
@@ -180,6 +181,65 @@ struct BwdMainloop {
       }
       convert_into(tSrdP, rdS);
       Tensor acc_dq = partition_fragment_C(mma_q, TileQc{});
+      // dQ(m block) += this key block's share, reduced in L2.
+      auto reduce_dq = [&] {
+        int* sem = p.semaphore + (int64_t(batch) * p.n + head) * num_m_sem + m_block;
+        const int turn = mask.dq_turn(n_block, m_block);
+        float* dq = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim;
+        CUTLASS_PRAGMA_UNROLL
+        for (int chunk = 0; chunk < kDqChunks; ++chunk) {
+          if (chunk > 0) {
+            warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
+          }
+          if (!p.dq_atomic) {
+            // Stage the fp32 block in smem in fragment order (dq_accum.h: the same
+            // order as the block in the accumulator) and let one thread add it
+            // with a bulk reduce; the other threads move on. The buffer is reused once that reduce has
+            // read it (bulk-group wait by the issuing thread, then FREE).
+            if (chunk == 0) {
+              // Each reduce is one bulk group: with two buffers only the
+              // latest (the other buffer's) may still be reading.
+              if (mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
+              cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQFree);
+            }
+            float* sdq = smem.dq.data() + dq_buf * (kBlockM * kHeadDim);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < DqLayout::kFrag; i += 4) {
+              *reinterpret_cast<float4*>(sdq + DqLayout::offset(chunk, mma_tid, i)) =
+                  make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
+            }
+          } else {
+            if (chunk == 0 && p.deterministic) { wait_turn(sem, turn, mma_tid); }
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < DqLayout::kFrag; ++i) { atomicAdd(dq + DqLayout::offset(chunk, mma_tid, i), acc_dq(i)); }
+          }
+        }
+        if (!p.dq_atomic) {
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQReady);
+          if (mma_tid == 0) {
+            if (p.deterministic) {
+              spin_until(sem, turn);
+              asm volatile("fence.proxy.async.global;" ::: "memory");  // acquire -> async-proxy adds
+            }
+            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                         :: "l"(dq), "r"(cute::cast_smem_ptr_to_uint(smem.dq.data() + dq_buf * (kBlockM * kHeadDim))),
+                            "r"(int(kBlockM * kHeadDim * sizeof(float)))
+                         : "memory");
+            tma_store_arrive();
+            if (p.deterministic) {
+              // Complete (not only read out) before handing the turn on.
+              asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+              asm volatile("fence.proxy.async.global;" ::: "memory");
+              __threadfence();
+              atomicAdd(sem, 1);
+            }
+          }
+        } else if (p.deterministic) {
+          pass_turn(sem, mma_tid);
+        }
+        if constexpr (Traits::kDqBufs > 1) { dq_buf ^= 1; }
+      };
       if constexpr (!Traits::kStagePdS) {
         // Stage dS: the other warpgroup's dQ GEMM of the previous block is done
         // reading (FREE), and all rows are written before any dQ GEMM (READY).
@@ -188,8 +248,13 @@ struct BwdMainloop {
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSReady);
 
-        warpgroup_gemm<false, -1>(mma_kv, tKVrdS, tKVrQt(_, _, _, state.index()), acc_dk);
+        // dQ first: its reduction (smem staging, barriers, bulk add) then runs
+        // while the tensor cores still work on dK, instead of after both.
         warpgroup_gemm<true, -1>(mma_q, tQrdS, tQrKt(0), acc_dq);
+        warpgroup_gemm<false, -1>(mma_kv, tKVrdS, tKVrQt(_, _, _, state.index()), acc_dk);
+        warpgroup_wait<1>();  // dV and dQ retired
+        warpgroup_fence_operand(acc_dq);
+        reduce_dq();
         warpgroup_wait<0>();
         // P and dS fed RS WGMMAs: keep their registers live until those retired.
         warpgroup_fence_operand(tKVrP);
@@ -209,67 +274,16 @@ struct BwdMainloop {
         warpgroup_gemm<false, -1>(mma_kv, tKVsdS, tKVrQt(_, _, _, state.index()), acc_dk);
         warpgroup_gemm<true, -1>(mma_q, tQrdS, tQrKt(0), acc_dq);
         warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dq);
       }
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
-      warpgroup_fence_operand(acc_dq);
       pipe.consumer_release(state);
       ++state;
+      // Staged path: after the release, so the next Q/dO load (one stage at
+      // d256) overlaps it; later dQ chunks read only dS and K, not the stage.
+      if constexpr (Traits::kStagePdS) { reduce_dq(); }
 
-      // dQ(m block) += this key block's share, reduced in L2.
-      int* sem = p.semaphore + (int64_t(batch) * p.n + head) * num_m_sem + m_block;
-      const int turn = n_block - mask.first_key_block(m_block);
-      float* dq = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim;
-      CUTLASS_PRAGMA_UNROLL
-      for (int chunk = 0; chunk < kDqChunks; ++chunk) {
-        if (chunk > 0) {
-          warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
-        }
-        if (!p.dq_atomic) {
-          // Stage the fp32 block in smem in fragment order (dq_accum.h: the same
-          // order as the block in the accumulator) and let one thread add it
-          // with a bulk reduce; the other threads move on. The buffer is reused once that reduce has
-          // read it (bulk-group wait by the issuing thread, then FREE).
-          if (chunk == 0) {
-            if (mma_tid == 0) { tma_store_wait<0>(); }
-            cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQFree);
-          }
-          float* sdq = smem.dq.data();
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < DqLayout::kFrag; i += 4) {
-            *reinterpret_cast<float4*>(sdq + DqLayout::offset(chunk, mma_tid, i)) =
-                make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
-          }
-        } else {
-          if (chunk == 0 && p.deterministic) { wait_turn(sem, turn, mma_tid); }
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < DqLayout::kFrag; ++i) { atomicAdd(dq + DqLayout::offset(chunk, mma_tid, i), acc_dq(i)); }
-        }
-      }
-      if (!p.dq_atomic) {
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQReady);
-        if (mma_tid == 0) {
-          if (p.deterministic) {
-            spin_until(sem, turn);
-            asm volatile("fence.proxy.async.global;" ::: "memory");  // acquire -> async-proxy adds
-          }
-          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                       :: "l"(dq), "r"(cute::cast_smem_ptr_to_uint(smem.dq.data())),
-                          "r"(int(kBlockM * kHeadDim * sizeof(float)))
-                       : "memory");
-          tma_store_arrive();
-          if (p.deterministic) {
-            // Complete (not only read out) before handing the turn on.
-            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-            asm volatile("fence.proxy.async.global;" ::: "memory");
-            __threadfence();
-            atomicAdd(sem, 1);
-          }
-        }
-      } else if (p.deterministic) {
-        pass_turn(sem, mma_tid);
-      }
     }
   }
 };

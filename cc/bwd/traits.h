@@ -127,6 +127,10 @@ struct BwdTraits {
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
 
+  // dQ staging buffers: two on the register path (d <= 128: 209 KB of smem at
+  // d128); the staged path (d >= 192) has no room for a second.
+  static constexpr int kDqBufs = kStagePdS ? 1 : 2;
+
   using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;  // Q and dO share a stage barrier
   using PipelineKV = cutlass::PipelineTmaAsync<1>;
 
@@ -141,9 +145,11 @@ struct BwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> ds;
     // P, laid out like dS (staged path only).
     cute::array_aligned<Element, kStagePdS ? cute::cosize_v<SmemLayoutdS> : 1, kStagePdS ? 1024 : 16> p;
-    // This key block's share of dQ for one query block, row-major like one
+    // This key block's share of dQ for one query block, in the order of one
     // block of the dQ accumulator, so a single bulk reduce-add moves it.
-    cute::array_aligned<float, kBlockM * kHeadDim, 128> dq;
+    // Double-buffered where it fits: the next block's staging need not wait
+    // for the previous reduce to finish reading.
+    cute::array_aligned<float, kDqBufs * kBlockM * kHeadDim, 128> dq;
     typename PipelineQdO::SharedStorage pipe_qdo;
     typename PipelineKV::SharedStorage pipe_kv;
   };

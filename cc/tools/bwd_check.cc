@@ -367,6 +367,8 @@ int main(int argc, char** argv) {
       {"det", 2, 257, 300, 4, 2, false, -1, -1, 0.f, false, true},
       {"det_causal_gqa", 1, 300, 300, 6, 2, true, -1, -1, 0.f, false, true},
       {"det_window_lens", 2, 260, 280, 4, 2, false, 70, 30, 0.f, true, true},
+      // Causal deterministic dQ runs its turns from the diagonal down (dq_turn).
+      {"det_causal_lens", 3, 190, 330, 2, 2, true, -1, -1, 0.f, true, true},
   };
   int passed = 0, failed = 0;
   for (int d : hdims) {
