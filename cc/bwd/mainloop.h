@@ -39,8 +39,8 @@ struct BwdMainloop {
   typename Traits::TiledMmaQ mma_q;
   int dq_buf = 0;  // staging buffer of the next dQ reduce (kDqBufs > 1), kept across heads
 
-  // Deterministic dQ: key block j adds to query block m only after the key
-  // blocks before it have (turn = j - first key block of m), so the fp32 sum
+  // Deterministic dQ: key block j adds to query block m only when the
+  // semaphore of m reaches its turn (KeyBlockMask::dq_turn), so the fp32 sum
   // is formed in one fixed order.
   CUTE_DEVICE static void spin_until(const int* sem, int turn) {
     int v;
