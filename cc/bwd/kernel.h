@@ -25,6 +25,8 @@ struct BwdKernelParams {
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
+  typename Traits::TmadKV tma_dk;
+  typename Traits::TmadKV tma_dv;
 };
 
 template <class Traits>
@@ -54,6 +56,8 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
     cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_dk.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_dv.get_tma_descriptor());
   }
 
   typename PipelineQdO::Params pq;
@@ -70,13 +74,15 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   PipelineKV pipe_kv(smem.pipe_kv, pkv, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier init visible to all
 
-  const int n_block = KeyBlockMask<kBlockM, kBlockN>::key_block_of(
-      blockIdx.x, gridDim.x, p.deterministic && p.window_right >= 0);
   const int kv_head = blockIdx.y, batch = blockIdx.z;
   // Built separately on each side of the register split: a value computed
   // before it and live into both sides gets a stack slot (the producer has
   // 24 registers), which the consumer loop then reloads every block.
-  auto make_mask = [&] {
+  auto key_block = [&] {
+    return KeyBlockMask<kBlockM, kBlockN>::key_block_of(blockIdx.x, gridDim.x,
+                                                        p.deterministic && p.window_right >= 0);
+  };
+  auto make_mask = [&](int n_block) {
     return KeyBlockMask<kBlockM, kBlockN>(n_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s),
                                           p.window_left, p.window_right);
   };
@@ -84,7 +90,8 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   if (is_producer) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (is_leader) {
-      const auto mask = make_mask();
+      const int n_block = key_block();
+      const auto mask = make_mask(n_block);
       if (mask.m_block_max > mask.m_block_min) {
         BwdProducer<Traits, Params>{params, smem}.run(n_block, kv_head, batch, mask, pipe_kv, pipe_qdo);
       }
@@ -92,7 +99,8 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
-    const auto mask = make_mask();
+    const int n_block = key_block();
+    const auto mask = make_mask(n_block);
     const bool has_work = mask.m_block_max > mask.m_block_min;
     Mainloop mainloop;
     Tensor acc_dk = partition_fragment_C(mainloop.mma_kv, typename Traits::TileKV{});
@@ -112,10 +120,9 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
       };
       if (p.softcap > 0.f) { heads(cute::true_type{}); } else { heads(cute::false_type{}); }
     }
-    // A key block no query sees still writes its (zero) gradients.
-    BwdEpilogue<Traits>::store(p, mma_tid, n_block, kv_head, batch, acc_dk, acc_dv);
-    // The last dQ bulk reduce must have read shared memory before the CTA retires.
-    if (mma_tid == 0) { tma_store_wait<0>(); }
+    // A key block no query sees still writes its (zero) gradients. The store
+    // also waits for the last dQ bulk reduce to have read shared memory.
+    BwdEpilogue<Traits, Params>::store(params, smem, mma_tid, n_block, kv_head, batch, acc_dk, acc_dv);
   }
 #endif
 }
@@ -143,6 +150,8 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       Traits::make_tma_q(static_cast<const Element*>(p.dout), layout(p.t, p.n, p.b)),
       Traits::make_tma_kv(static_cast<const Element*>(p.k), layout(p.s, p.kh, p.b)),
       Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_dkv(static_cast<Element*>(p.dk), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_dkv(static_cast<Element*>(p.dv), layout(p.s, p.kh, p.b)),
   };
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;

@@ -173,8 +173,15 @@ struct BwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
                          SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
+  // dK and dV leave through TMA stores out of the K and V buffers, which are
+  // free once every GEMM of the CTA has retired (same shape and swizzle).
+  static auto make_tma_dkv(Element* ptr, LayoutSeq layout) {
+    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
+  using TmadKV = decltype(make_tma_dkv(nullptr, LayoutSeq{}));
 };
 
 }  // namespace jax_fa3
