@@ -66,6 +66,7 @@ class Shape:
   seqlen: int
   batch: int
   heads: int
+  group: int = 1  # query heads per K/V head (GQA); 1 = MHA
 
 
 @dataclass
@@ -101,8 +102,9 @@ def tflops_of(flops: float, ms: float | None) -> float | None:
 
 
 def plan(seqlens, hdims, causals, tokens: int = TOTAL_TOKENS,
-         hidden: int = HIDDEN) -> list[Shape]:
-  """The sweep: batch = tokens // seqlen (>= 1), heads = hidden // hdim."""
+         hidden: int = HIDDEN, group: int = 1) -> list[Shape]:
+  """The sweep: batch = tokens // seqlen (>= 1), heads = hidden // hdim
+  query heads, heads // group K/V heads."""
   out = []
   for hd in hdims:
     if hidden % hd:
@@ -110,7 +112,9 @@ def plan(seqlens, hdims, causals, tokens: int = TOTAL_TOKENS,
     for causal in causals:
       for s in seqlens:
         b = max(1, tokens // s)
-        out.append(Shape(hd, causal, s, b, hidden // hd))
+        if (hidden // hd) % group:
+          raise ValueError(f"--group {group} does not divide {hidden // hd} heads")
+        out.append(Shape(hd, causal, s, b, hidden // hd, group))
   return out
 
 
@@ -138,7 +142,11 @@ def _cells(r: Row, max_status: int = 0) -> list[str]:
     tail = [f"{r.ms:.3f}", f"{r.tflops:.1f}",
             f"{r.ratio:.2f}" if r.ratio is not None else "-"]
   return [r.impl, r.mode, str(s.hdim), "yes" if s.causal else "no",
-          str(s.seqlen), str(s.batch), str(s.heads)] + tail
+          str(s.seqlen), str(s.batch), _heads(s)] + tail
+
+
+def _heads(s: Shape) -> str:
+  return str(s.heads) if s.group == 1 else f"{s.heads}/{s.heads // s.group}"
 
 
 def _sort_key(r: Row):
@@ -174,7 +182,7 @@ def write_csv(rows: list[Row], path: str) -> None:
     for r in sorted(rows, key=_sort_key):
       s = r.shape
       w.writerow([r.impl, r.mode, r.dtype, s.hdim, int(s.causal), s.seqlen,
-                  s.batch, s.heads,
+                  s.batch, _heads(s),
                   "" if r.ms is None else f"{r.ms:.5f}",
                   "" if r.tflops is None else f"{r.tflops:.2f}",
                   "" if r.ratio is None else f"{r.ratio:.3f}",
@@ -335,11 +343,12 @@ def make_inputs(shape: Shape, dtype, n_sets: int, seed: int = 0):
   import jax
   import jax.numpy as jnp
   dims = (shape.batch, shape.seqlen, shape.heads, shape.hdim)
+  kv_dims = (shape.batch, shape.seqlen, shape.heads // shape.group, shape.hdim)
   sets = []
   for i in range(n_sets):
     ks = jax.random.split(jax.random.key(seed * 1000 + i), 4)
-    sets.append(tuple(jax.random.normal(k, dims, jnp.float32).astype(dtype)
-                      for k in ks))  # q, k, v, dout
+    sets.append(tuple(jax.random.normal(k, d, jnp.float32).astype(dtype)
+                      for k, d in zip(ks, (dims, kv_dims, kv_dims, dims))))  # q, k, v, dout
   jax.block_until_ready(sets)
   return sets
 
@@ -502,6 +511,8 @@ def parse_args(argv=None):
                  help=f"comma list from {','.join(IMPLS)}")
   p.add_argument("--tokens", type=int, default=TOTAL_TOKENS,
                  help="total tokens per call: batch = tokens // seqlen")
+  p.add_argument("--group", type=int, default=1,
+                 help="GQA: query heads per K/V head (the demo uses 4)")
   p.add_argument("--hidden", type=int, default=HIDDEN,
                  help="hidden size: heads = hidden // head_dim")
   p.add_argument("--quick", action="store_true",
@@ -543,7 +554,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   shapes = plan(args.seqlens, args.hdims, args.causals, args.tokens,
-                args.hidden)
+                args.hidden, args.group)
 
   if args.dry_run:
     env = environment(with_jax=False)

@@ -7,10 +7,13 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
+#include <cstdlib>
+#include <cstring>
 
 #include "params.h"
 #include "traits.h"
 #include "mask.h"
+#include "tile_scheduler.h"
 #include "producer.h"
 #include "mainloop.h"
 #include "epilogue.h"
@@ -27,6 +30,7 @@ struct BwdKernelParams {
   typename Traits::TmaKV tma_v;
   typename Traits::TmadKV tma_dk;
   typename Traits::TmadKV tma_dv;
+  BwdTileOrder tiles;
 };
 
 template <class Traits>
@@ -74,33 +78,30 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   PipelineKV pipe_kv(smem.pipe_kv, pkv, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier init visible to all
 
-  const int kv_head = blockIdx.y, batch = blockIdx.z;
   // Built separately on each side of the register split: a value computed
   // before it and live into both sides gets a stack slot (the producer has
   // 24 registers), which the consumer loop then reloads every block.
-  auto key_block = [&] {
-    return KeyBlockMask<kBlockM, kBlockN>::key_block_of(blockIdx.x, gridDim.x,
-                                                        p.deterministic && p.window_right >= 0);
-  };
-  auto make_mask = [&](int n_block) {
-    return KeyBlockMask<kBlockM, kBlockN>(n_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s),
-                                          p.window_left, p.window_right);
+  auto make_mask = [&](const BwdTile& tile) {
+    return KeyBlockMask<kBlockM, kBlockN>(tile.n_block, min(p.q_lens[tile.batch], p.t),
+                                          min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
   };
 
   if (is_producer) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (is_leader) {
-      const int n_block = key_block();
-      const auto mask = make_mask(n_block);
+      const BwdTile tile = params.tiles(blockIdx.x);
+      const auto mask = make_mask(tile);
       if (mask.m_block_max > mask.m_block_min) {
-        BwdProducer<Traits, Params>{params, smem}.run(n_block, kv_head, batch, mask, pipe_kv, pipe_qdo);
+        BwdProducer<Traits, Params>{params, smem}.run(tile.n_block, tile.kv_head, tile.batch, mask, pipe_kv,
+                                                      pipe_qdo);
       }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
-    const int n_block = key_block();
-    const auto mask = make_mask(n_block);
+    const BwdTile tile = params.tiles(blockIdx.x);
+    const int n_block = tile.n_block, kv_head = tile.kv_head, batch = tile.batch;
+    const auto mask = make_mask(tile);
     const bool has_work = mask.m_block_max > mask.m_block_min;
     Mainloop mainloop;
     Tensor acc_dk = partition_fragment_C(mainloop.mma_kv, typename Traits::TileKV{});
@@ -125,6 +126,16 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
     BwdEpilogue<Traits, Params>::store(params, smem, mma_tid, n_block, kv_head, batch, acc_dk, acc_dv);
   }
 #endif
+}
+
+// A/B knob: JAX_FA3_BWD_ORDER=head keeps causal-like runs head-major
+// (tile_scheduler.h), for timing the longest-first order against it.
+inline bool head_major_only() {
+  static const bool v = [] {
+    const char* e = std::getenv("JAX_FA3_BWD_ORDER");
+    return e != nullptr && std::strcmp(e, "head") == 0;
+  }();
+  return v;
 }
 
 // Host launcher for one instantiation.
@@ -152,15 +163,13 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
       Traits::make_tma_dkv(static_cast<Element*>(p.dk), layout(p.s, p.kh, p.b)),
       Traits::make_tma_dkv(static_cast<Element*>(p.dv), layout(p.s, p.kh, p.b)),
+      BwdTileOrder::make(p, Traits::kBlockN, head_major_only()),
   };
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }
-  // Key blocks fastest: in deterministic mode a block waits only on blocks of
-  // the same (head, batch) dispatched before it (KeyBlockMask::dq_turn).
-  dim3 grid((p.s + Traits::kBlockN - 1) / Traits::kBlockN, p.kh, p.b);
-  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
+  kernel<<<kp.tiles.num_ctas(), Traits::kNumThreads, smem_bytes, stream>>>(kp);
   err = cudaGetLastError();
   if (err != cudaSuccess) { return err; }
 

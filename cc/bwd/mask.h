@@ -35,9 +35,9 @@ struct KeyBlockMask {
   // the diagonal block: that block visits m first (it starts there), so no CTA
   // waits at its first query block, where ascending order made key block j
   // idle for about j blocks of work (2.3x the non-deterministic time at 8k
-  // causal). The launcher then dispatches key blocks in descending order too,
-  // so a CTA only ever waits on CTAs dispatched before it (no deadlock when a
-  // head has more key blocks than the GPU holds CTAs).
+  // causal). Key blocks are then dispatched in descending order too
+  // (tile_scheduler.h), so a CTA only ever waits on CTAs dispatched before it
+  // (no deadlock when a head has more key blocks than the GPU holds CTAs).
   CUTE_DEVICE int dq_turn(int n_block, int m_block) const {
     if (right >= 0) {
       // The block's last valid row: a key block whose rows start past q_len
@@ -47,10 +47,6 @@ struct KeyBlockMask {
     }
     const int first = left >= 0 ? max(0, m_block * kBlockM - left) / kBlockN : 0;
     return n_block - first;
-  }
-  // Key block of CTA blockIdx.x (see dq_turn): descending where the turns do.
-  CUTE_DEVICE static int key_block_of(int bid, int num_blocks, bool descending) {
-    return descending ? num_blocks - 1 - bid : bid;
   }
 
   CUTE_DEVICE bool needs_mask(int m_block) const {

@@ -1,6 +1,11 @@
 // Epilogue: normalized O (padded query rows zeroed) goes registers -> shared
-// memory -> global through one TMA store per tile, which also
-// clips rows past the sequence end. LSE goes straight from registers.
+// memory -> global through TMA stores, which also clip rows past the sequence
+// end. LSE goes straight from registers.
+//
+// Each consumer warpgroup stores its own 64 rows with its own barrier and
+// TMA store: a CTA-wide barrier here made the warpgroup that finished first
+// wait out the other's last P.V GEMM, and the tensor cores idled across every
+// tile boundary (at d64 about 1.5 K/V blocks' worth of time per tile).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,13 +20,17 @@ struct Epilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
-  // Named barrier among the consumer warpgroups. NamedBarrier's static API
-  // numbers user barriers from 0 (it adds CUTLASS's reserved count itself).
-  static constexpr uint32_t kBarrierO = 0;
+  static constexpr int kRowsPerWG = Traits::kRowsPerWG;
+  static constexpr int kWGThreads = cutlass::NumThreadsPerWarpGroup;
+  // One named barrier per consumer warpgroup, after the ping-pong's ids
+  // (pingpong.h: 1 .. number of consumer warpgroups). NamedBarrier's static
+  // API numbers user barriers from 0 (it adds CUTLASS's reserved count).
+  static constexpr uint32_t kBarrierOBase = 4;
+  static_assert(kBarrierOBase + Traits::kNumMmaWarpGroups <= 8, "user named barriers are 0..7");
 
-  // Before the CTA retires: the last TMA store must have read shared memory.
+  // Before the CTA retires: each warpgroup's last TMA store must have read shared memory.
   CUTE_DEVICE static void drain(int mma_tid) {
-    if (mma_tid == 0) { tma_store_wait<0>(); }
+    if (mma_tid % kWGThreads == 0) { tma_store_wait<0>(); }
   }
 
   template <int kRows, class TO>
@@ -47,23 +56,28 @@ struct Epilogue {
     Tensor rO = convert_fragment<Element>(acc_o);
     Element* o_buffer = Traits::kSeparateO ? smem.o.data() : smem.q.data();
     Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename Traits::SmemLayoutO{});
+    // A thread's fragment lies in its own warpgroup's 64 rows of the tile
+    // (and, with O in Q's buffer, in the Q rows only its warpgroup's S GEMMs read).
+    const int wg = mma_tid / kWGThreads;
+    const bool issuer = mma_tid % kWGThreads == 0;
     if constexpr (Traits::kSeparateO) {
-      // The previous tile's store may still be reading the buffer.
-      if (mma_tid == 0) { tma_store_wait<0>(); }
-      cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
+      // This warpgroup's store of the previous tile may still be reading its rows.
+      if (issuer) { tma_store_wait<0>(); }
+      cutlass::arch::NamedBarrier::sync(kWGThreads, kBarrierOBase + wg);
     }
     Tensor tOsO = thr_pv.partition_C(sO);
     copy(rO, tOsO);
     // Generic-proxy writes must be visible to the TMA engine (async proxy).
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
+    cutlass::arch::NamedBarrier::sync(kWGThreads, kBarrierOBase + wg);
 
-    if (mma_tid == 0) {
+    if (issuer) {
       Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
-      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(tile.m_block, _0{}));
+      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<Int<kRowsPerWG>, Int<kHeadDim>>{},
+                             make_coord(tile.m_block * (kBlockM / kRowsPerWG) + wg, _0{}));
+      Tensor sOw = local_tile(sO, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{}, make_coord(wg, _0{}));
       auto [tOgO, tOsO_tma] = tma_partition(params.tma_o, Int<0>{}, Layout<_1>{},
-                                            group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+                                            group_modes<0, 2>(sOw), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO_tma, tOgO);
       tma_store_arrive();
       // An O staged in Q's buffer must be read out before Q is released.

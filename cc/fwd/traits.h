@@ -29,7 +29,7 @@ template <int HeadDim> struct FwdTileConfig;
 #define JAX_FA3_D64_BLOCK_N 128
 #endif
 #ifndef JAX_FA3_D64_STAGES
-#define JAX_FA3_D64_STAGES 2
+#define JAX_FA3_D64_STAGES 4
 #endif
 template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = JAX_FA3_D64_BLOCK_M, kBlockN = JAX_FA3_D64_BLOCK_N, kStages = JAX_FA3_D64_STAGES; static constexpr bool kIntraWGOverlap = true; };
 template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
@@ -153,9 +153,13 @@ struct FwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
                          take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
+  // Each consumer warpgroup stores its own 64 rows of O (epilogue.h): the
+  // store box is one warpgroup's slice of the O tile, same swizzle and strides.
+  static constexpr int kRowsPerWG = 64;
+  using SmemLayoutOWG = decltype(get<0>(zipped_divide(SmemLayoutO{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{})));
   static auto make_tma_o(Element* ptr, LayoutSeq layout) {
     return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         SmemLayoutO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+                         SmemLayoutOWG{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{}, _1{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
