@@ -51,7 +51,7 @@ IMPLS = ("fa3", "fa3det", "cudnn", "xla")  # fa3det: deterministic=True backward
 MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
-              "heads", "ms", "tflops", "ratio_vs_cudnn", "iters", "status")
+              "heads", "kv_heads", "ms", "tflops", "ratio_vs_cudnn", "iters", "status")
 
 
 # ---------------------------------------------------------------------------
@@ -109,11 +109,11 @@ def plan(seqlens, hdims, causals, tokens: int = TOTAL_TOKENS,
   for hd in hdims:
     if hidden % hd:
       raise ValueError(f"head dim {hd} does not divide hidden {hidden}")
+    if (hidden // hd) % group:
+      raise ValueError(f"--group {group} does not divide {hidden // hd} heads")
     for causal in causals:
       for s in seqlens:
         b = max(1, tokens // s)
-        if (hidden // hd) % group:
-          raise ValueError(f"--group {group} does not divide {hidden // hd} heads")
         out.append(Shape(hd, causal, s, b, hidden // hd, group))
   return out
 
@@ -182,7 +182,7 @@ def write_csv(rows: list[Row], path: str) -> None:
     for r in sorted(rows, key=_sort_key):
       s = r.shape
       w.writerow([r.impl, r.mode, r.dtype, s.hdim, int(s.causal), s.seqlen,
-                  s.batch, _heads(s),
+                  s.batch, s.heads, s.heads // s.group,
                   "" if r.ms is None else f"{r.ms:.5f}",
                   "" if r.tflops is None else f"{r.tflops:.2f}",
                   "" if r.ratio is None else f"{r.ratio:.3f}",

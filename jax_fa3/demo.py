@@ -117,10 +117,9 @@ def _build(args, mesh, attention):
 
       def gathered(q, k, v):
         t = q.shape[1]
-        k, v = (jax.lax.all_gather(x, "context", axis=1, tiled=True)
-                for x in (k, v))
-        qf = jax.lax.all_gather(q, "context", axis=1, tiled=True)
-        o = jax.nn.dot_product_attention(qf, k, v, is_causal=True,
+        qf, kf, vf = (jax.lax.all_gather(x, "context", axis=1, tiled=True)
+                      for x in (q, k, v))
+        o = jax.nn.dot_product_attention(qf, kf, vf, is_causal=True,
                                          implementation=attention)
         i = jax.lax.axis_index("context")
         return jax.lax.dynamic_slice_in_dim(o, i * t, t, axis=1)
