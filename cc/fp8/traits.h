@@ -109,7 +109,10 @@ struct Fp8FwdTraits {
       kSmemBytesNoO + int(sizeof(ElementO)) * cosize_v<SmemLayoutO> <= 227 * 1024;
   static_assert(kSeparateO, "FP8 tiles are chosen so that O has its own buffer");
 
-  using PipelineQ = cutlass::PipelineTmaAsync<1>;
+  // One Q buffer (fwd/producer.h indexes Q stages; the FP8 kernel has room for one).
+  static constexpr int kQStages = 1;
+  static constexpr int kQStageElems = cosize_v<SmemLayoutQ>;
+  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineVt = cutlass::PipelineAsync<kStagesVt>;
 

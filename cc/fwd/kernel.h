@@ -51,14 +51,14 @@ struct InlineLoader {
     tile = t;
     next_n = mask.n_block_max - 1;
     n_min = mask.n_block_min;
-    auto v = producer.views(tile);
+    auto v = producer.views(tile, state_q.index());
     producer.load_q(v, pipe_q, state_q);
     for (int i = 0; i < Traits::kStages && next_n >= n_min; ++i) {
       producer.load_kv(v, next_n--, pipe_k, pipe_v, state_kv);
     }
   }
   CUTE_DEVICE void operator()() {
-    if (active && next_n >= n_min) { producer.load_kv(producer.views(tile), next_n--, pipe_k, pipe_v, state_kv); }
+    if (active && next_n >= n_min) { producer.load_kv(producer.views(tile, 0), next_n--, pipe_k, pipe_v, state_kv); }
   }
   CUTE_DEVICE void tail() {
     if (active) { pipe_k.producer_tail(state_kv); pipe_v.producer_tail(state_kv); }
@@ -180,8 +180,8 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
           q_released = true;
         }
       };
-      mainloop.run(smem, mma_tid, pingpong, mask, softcap, raw_to_x, pipe_k, pipe_v, state_kv, softmax, acc_o,
-                   release_q, loader);
+      mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, softcap, raw_to_x, pipe_k, pipe_v, state_kv,
+                   softmax, acc_o, release_q, loader);
       if (Traits::kSeparateO && !q_released) { release_q(); }  // an empty tile
       float lse[Mainloop::kRows];
       softmax.finalize(acc_o, lse);

@@ -54,12 +54,13 @@ struct ConsumerMainloop {
   // earlier): a no-op in the warp-specialized kernel; without warp
   // specialization it is where a consumer thread issues the next loads.
   template <class PipelineKV, class StateKV, class TO, class OnQDead, class OnVFree>
-  CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
+  CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int q_stage, int mma_tid, const PingPong& pingpong,
                        const TileMask<kBlockM, kBlockN>& mask, bool softcap, float raw_to_x,
                        PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
                        Softmax& softmax, TO& acc_o, OnQDead&& on_q_dead, OnVFree& on_v_free) {
     if (mask.empty()) { return; }
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data() + q_stage * Traits::kQStageElems),
+                            typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
 

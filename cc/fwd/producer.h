@@ -22,10 +22,12 @@ struct ProducerLoad {
   const KernelParams& params;
   typename Traits::SharedStorage& smem;
 
-  // Global (TMA) and shared-memory views of one tile's Q and of its head's K/V blocks.
-  CUTE_DEVICE auto views(const WorkTile& tile) const {
+  // Global (TMA) and shared-memory views of one tile's Q (into Q stage
+  // q_stage) and of its head's K/V blocks.
+  CUTE_DEVICE auto views(const WorkTile& tile, int q_stage) const {
     const FwdParams& p = params.fwd;
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data() + q_stage * Traits::kQStageElems),
+                            typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
     Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
@@ -74,7 +76,7 @@ struct ProducerLoad {
   CUTE_DEVICE void load_tile(const WorkTile& tile, const TileMask<kBlockM, kBlockN>& mask,
                              PipelineQ& pipe_q, StateQ& state_q,
                              PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv) const {
-    auto v = views(tile);
+    auto v = views(tile, state_q.index());
     load_q(v, pipe_q, state_q);
     for (int n_block = mask.n_block_max - 1; n_block >= mask.n_block_min; --n_block) {
       load_kv(v, n_block, pipe_k, pipe_v, state_kv);

@@ -123,12 +123,19 @@ struct FwdTraits {
       int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutK>) + 1024;
   static constexpr bool kSeparateO =
       kSmemBytesNoO + int(sizeof(Element)) * cosize_v<SmemLayoutO> <= 227 * 1024;
+  // Q is double-buffered where it fits next to a separate O: the producer
+  // then loads the next tile's Q while this tile runs, instead of after this
+  // tile's last S GEMM released the only buffer (a Q load's latency is about
+  // one d64 K/V block of work, paid at every tile start).
+  static constexpr int kQStages =
+      (kSeparateO && kSmemBytesNoO + int(sizeof(Element)) * 2 * cosize_v<SmemLayoutQ> <= 226 * 1024) ? 2 : 1;
+  static constexpr int kQStageElems = cosize_v<SmemLayoutQ>;
 
-  using PipelineQ = cutlass::PipelineTmaAsync<1>;
+  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
 
   struct SharedStorage {
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, kQStages * cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
     cute::array_aligned<Element, kSeparateO ? cute::cosize_v<SmemLayoutO> : 1, 1024> o;
