@@ -1,5 +1,5 @@
 // Host-side check of the backward's key-block dispatch (cc/bwd/tile_scheduler.h),
-// built and run by tests/test_tile_order.py with nvcc (no GPU needed). For each
+// built and run by tests/test_host_checks.py with nvcc (no GPU needed). For each
 // problem and order it prints one line: order, ok (every (key block, KV head,
 // batch) exactly once), monotone (the order's promise holds).
 #include <cstdio>

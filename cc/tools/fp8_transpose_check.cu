@@ -2,7 +2,8 @@
 // runs VTransposer::transpose_blocks for every warp and lane over a byte
 // array laid out like shared memory, from a V tile written through the CuTe
 // layout, and checks every byte of V^T (CuTe layout) against V(vt_key_of(p), d),
-// for every V / V^T stage pair. Not part of the build; no GPU needed:
+// for every V / V^T stage pair. No GPU needed (tests/test_host_checks.py
+// builds and runs it when nvcc is present):
 //   nvcc -std=c++17 --expt-relaxed-constexpr -I cc -I <cutlass>/include \
 //        cc/tools/fp8_transpose_check.cu -o /tmp/transpose_check && /tmp/transpose_check
 #include <cstdio>
