@@ -109,10 +109,7 @@ struct Fp8FwdTraits {
       kSmemBytesNoO + int(sizeof(ElementO)) * cosize_v<SmemLayoutO> <= 227 * 1024;
   static_assert(kSeparateO, "FP8 tiles are chosen so that O has its own buffer");
 
-  // One Q buffer (fwd/producer.h indexes Q stages; the FP8 kernel has room for one).
-  static constexpr int kQStages = 1;
-  static constexpr int kQStageElems = cosize_v<SmemLayoutQ>;
-  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
+  using PipelineQ = cutlass::PipelineTmaAsync<1>;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineVt = cutlass::PipelineAsync<kStagesVt>;
 

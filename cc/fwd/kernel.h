@@ -58,6 +58,7 @@ struct InlineLoader {
     }
   }
   CUTE_DEVICE void operator()() {
+    // K/V only: the Q stage of the views is not used here.
     if (active && next_n >= n_min) { producer.load_kv(producer.views(tile, 0), next_n--, pipe_k, pipe_v, state_kv); }
   }
   CUTE_DEVICE void tail() {

@@ -59,8 +59,7 @@ struct ConsumerMainloop {
                        PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
                        Softmax& softmax, TO& acc_o, OnQDead&& on_q_dead, OnVFree& on_v_free) {
     if (mask.empty()) { return; }
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data() + q_stage * Traits::kQStageElems),
-                            typename Traits::SmemLayoutQ{});
+    Tensor sQ = smem_q<Traits>(smem, q_stage);
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
 

@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 #include "traits.h"
 #include "mask.h"
+#include "utils.h"
 
 namespace jax_fa3 {
 
@@ -26,8 +27,7 @@ struct ProducerLoad {
   // q_stage) and of its head's K/V blocks.
   CUTE_DEVICE auto views(const WorkTile& tile, int q_stage) const {
     const FwdParams& p = params.fwd;
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data() + q_stage * Traits::kQStageElems),
-                            typename Traits::SmemLayoutQ{});
+    Tensor sQ = smem_q<Traits>(smem, q_stage);
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
     Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));

@@ -128,8 +128,8 @@ struct FwdTraits {
   // tile's last S GEMM released the only buffer (a Q load's latency is about
   // one d64 K/V block of work, paid at every tile start).
   static constexpr int kQStages =
-      (kSeparateO && kSmemBytesNoO + int(sizeof(Element)) * 2 * cosize_v<SmemLayoutQ> <= 226 * 1024) ? 2 : 1;
-  static constexpr int kQStageElems = cosize_v<SmemLayoutQ>;
+      (kSeparateO && kSmemBytesNoO + int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutO>) <=
+                         226 * 1024) ? 2 : 1;
 
   using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
