@@ -132,6 +132,14 @@ mlir.register_lowering(fa3_bwd_p, mlir.lower_fun(_bwd_impl,
                                                  multiple_results=True))
 BWD_ROW_PAD = 128    # kBwdRowPad in cc/bwd/params.h
 BWD_SEM_BLOCK = 64   # kBwdBlockM in cc/bwd/params.h
+BWD_MAX_SPLIT = 160  # kBwdMaxSplitUnits in cc/bwd/params.h
+
+
+def bwd_split_scratch_floats(B, S, K, H) -> int:
+  """Size of the split key blocks' scratch (bwd_split_scratch_floats in
+  cc/bwd/params.h): counters, then dK/dV sums of up to 128 keys per slot."""
+  slots = min(B * K * -(-S // 64), BWD_MAX_SPLIT)
+  return BWD_MAX_SPLIT + slots * 2 * 128 * H
 
 
 def bwd_kernel_available(dtype, head_dim) -> bool:
@@ -143,7 +151,8 @@ def bwd_kernel_available(dtype, head_dim) -> bool:
 def _bwd_kernel_call(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale,
                      softcap, window_left, window_right, deterministic):
   """The backward custom call; its fp32/int32 scratch comes from XLA as extra
-  outputs (dQ accumulator, delta, base-2 LSE, semaphores) and is dropped."""
+  outputs (dQ accumulator, delta, base-2 LSE, semaphores, split key blocks'
+  sums) and is dropped."""
   B, T, N, H = q.shape
   t_pad = -(-T // BWD_ROW_PAD) * BWD_ROW_PAD
   f32 = jnp.float32
@@ -153,7 +162,9 @@ def _bwd_kernel_call(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale,
             jax.ShapeDtypeStruct((B, N, t_pad, H), f32),
             jax.ShapeDtypeStruct((B, N, t_pad), f32),
             jax.ShapeDtypeStruct((B, N, t_pad), f32),
-            jax.ShapeDtypeStruct((B, N, t_pad // BWD_SEM_BLOCK), jnp.int32))
+            jax.ShapeDtypeStruct((B, N, t_pad // BWD_SEM_BLOCK), jnp.int32),
+            jax.ShapeDtypeStruct(
+                (bwd_split_scratch_floats(B, k.shape[1], k.shape[2], H),), f32))
   res = jax.ffi.ffi_call(BWD_TARGET, shapes)(
       q, k, v, out, lse, dout, q_lens, kv_lens, scale=np.float32(scale),
       softcap=np.float32(softcap), window_left=np.int32(window_left),

@@ -3,7 +3,8 @@ skipped without nvcc or the nvidia-cutlass headers):
 - the backward's key-block dispatch order (cc/bwd/tile_scheduler.h) covers
   every (key block, KV head, batch) exactly once and keeps its order's promise
   (longest first: chunks of key blocks never go back; deterministic causal:
-  key blocks descending per head);
+  key blocks descending per head), also when the last wave's key blocks are
+  split into shares;
 - the FP8 kernel's in-shared-memory V transpose (cc/fp8/transpose.h), run on
   the host lane by lane with its own address arithmetic, puts every byte of V
   where the P.V GEMM reads it, for every head dim and ring stage.
@@ -45,8 +46,9 @@ def test_bwd_tile_order_is_a_permutation(tmp_path):
   lines = run.stdout.strip().splitlines()
   assert lines[-1] == "failures=0", "\n".join(l for l in lines if "ok=1 monotone=1" not in l)
   assert run.returncode == 0
-  # All three orders were exercised.
+  # All three orders were exercised, and some plans split the last wave.
   assert {l.split("order=")[1].split()[0] for l in lines[:-1]} == {"0", "1", "2"}
+  assert {l.split("pieces=")[1].split()[0] for l in lines[:-1]} - {"1"}
 
 
 def test_fp8_v_transpose_places_every_byte(tmp_path):

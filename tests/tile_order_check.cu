@@ -1,7 +1,9 @@
 // Host-side check of the backward's key-block dispatch (cc/bwd/tile_scheduler.h),
 // built and run by tests/test_host_checks.py with nvcc (no GPU needed). For each
-// problem and order it prints one line: order, ok (every (key block, KV head,
-// batch) exactly once), monotone (the order's promise holds).
+// problem, order and SM count it prints one line: order, pieces (split key
+// blocks of the last wave, 1 = none), ok (every (key block, KV head, batch)
+// exactly once, or a split one as each of its shares once, with its own slot),
+// monotone (the order's promise holds).
 #include <cstdio>
 #include <vector>
 #include "bwd/tile_scheduler.h"
@@ -15,14 +17,18 @@ int main() {
   int failures = 0;
   for (int s : seqs) {
     for (const auto& hb : heads) {
-      for (int mode = 0; mode < 3; ++mode) {
+      for (int mode = 0; mode < 3; ++mode) for (int sms : {0, 132, 7}) {
         BwdParams p;
         p.s = s; p.t = s; p.kh = hb[0]; p.b = hb[1]; p.n = hb[0];
         p.window_left = -1;
         p.window_right = mode == 0 ? -1 : 0;  // non-causal / causal
         p.deterministic = mode == 2;
-        const BwdTileOrder order = BwdTileOrder::make(p, 128, false);
+        BwdTileOrder order = BwdTileOrder::make(p, 128, false);
+        const int max_slots = 100;
+        if (!p.deterministic) { order.plan_split(sms, (s + 63) / 64, max_slots); }
         std::vector<int> seen(size_t(order.num_n) * order.num_hb, 0);
+        std::vector<int> slot_of(seen.size(), -1);
+        bool ok = order.num_split() <= max_slots && (order.pieces == 1) == (order.num_split() == 0);
         bool monotone = true;
         int prev_chunk = 0;
         std::vector<int> prev_n(order.num_hb, -1);
@@ -30,7 +36,14 @@ int main() {
           const auto t = order(bid);
           const int hbi = t.batch * p.kh + t.kv_head;
           if (t.n_block < 0 || t.n_block >= order.num_n || hbi < 0 || hbi >= order.num_hb) { monotone = false; continue; }
-          ++seen[size_t(hbi) * order.num_n + t.n_block];
+          const size_t u = size_t(hbi) * order.num_n + t.n_block;
+          seen[u] += t.pieces == 1 ? order.pieces : 1;  // a whole block counts as all shares
+          if (t.pieces > 1) {  // shares of one block are adjacent, in order, with one slot
+            ok &= t.pieces == order.pieces && t.piece == (seen[u] - 1) && t.slot >= 0 && t.slot < order.num_split();
+            ok &= slot_of[u] < 0 ? true : slot_of[u] == t.slot;
+            slot_of[u] = t.slot;
+            if (t.piece > 0) { continue; }
+          }
           if (order.order == BwdTileOrder::kLongestFirst) {
             const int chunk = t.n_block / BwdTileOrder::kChunk;  // chunks never go back
             monotone &= chunk >= prev_chunk;
@@ -42,9 +55,9 @@ int main() {
           }
           prev_n[hbi] = t.n_block;
         }
-        bool ok = true;
-        for (int c : seen) { ok &= c == 1; }
-        std::printf("s=%d kh=%d b=%d order=%d ok=%d monotone=%d\n", s, p.kh, p.b, order.order, int(ok), int(monotone));
+        for (int c : seen) { ok &= c == order.pieces; }
+        std::printf("s=%d kh=%d b=%d sms=%d order=%d pieces=%d ok=%d monotone=%d\n", s, p.kh, p.b, sms, order.order,
+                    order.pieces, int(ok), int(monotone));
         failures += !(ok && monotone);
       }
     }

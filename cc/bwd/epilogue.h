@@ -23,18 +23,62 @@ struct BwdEpilogue {
   // After the mainloop's named barriers (0-4, BwdMainloop).
   static constexpr uint32_t kBarrierEpilogue = 5;
 
+  // Split key block (tile_scheduler.h): every share adds its fp32 dK/dV into
+  // the block's scratch slot, in fragment order (the same thread layout in
+  // every share), and counts itself done. Returns the slot's sums to the
+  // share that counts last (it stores them), nullptr to the others.
+  template <class TKV>
+  CUTE_DEVICE static const float* combine_split(const BwdParams& p, typename Traits::SharedStorage& smem,
+                                                int mma_tid, int slot, int pieces, TKV const& acc_dk,
+                                                TKV const& acc_dv) {
+    constexpr int kFrag = decltype(size(acc_dk))::value;
+    constexpr int kThreads = Traits::kNumMmaThreads;
+    static_assert(kFrag * kThreads <= 128 * kHeadDim);
+    float* sums = p.dkv_split + kBwdMaxSplitUnits + int64_t(slot) * 2 * kFrag * kThreads;
+    // Element i of dK at sums[i][thread], of dV at sums[kFrag + i][thread]:
+    // scalar adds, coalesced per warp (float4 adds cost the d64 mainloop 12
+    // more spill instructions, whose register quads they constrain).
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kFrag; ++i) {
+      atomicAdd(sums + i * kThreads + mma_tid, acc_dk(i));
+      atomicAdd(sums + (kFrag + i) * kThreads + mma_tid, acc_dv(i));
+    }
+    __threadfence();  // the adds are visible before the count
+    cutlass::arch::NamedBarrier::sync(kThreads, kBarrierEpilogue);
+    if (mma_tid == 0) {
+      smem.split_last = atomicAdd(reinterpret_cast<int*>(p.dkv_split) + slot, 1) == pieces - 1;
+    }
+    cutlass::arch::NamedBarrier::sync(kThreads, kBarrierEpilogue);
+    if (!smem.split_last) { return nullptr; }
+    __threadfence();
+    return sums;
+  }
+
+  // sums: a split key block's totals (combine_split), read instead of the
+  // accumulators.
   template <class TKV>
   CUTE_DEVICE static void store(const KernelParams& params, typename Traits::SharedStorage& smem, int mma_tid,
-                                int n_block, int kv_head, int batch, TKV const& acc_dk, TKV const& acc_dv) {
+                                int n_block, int kv_head, int batch, TKV const& acc_dk, TKV const& acc_dv,
+                                const float* sums = nullptr) {
     const BwdParams& p = params.bwd;
     typename Traits::TiledMmaKV mma_kv;
     auto thr_kv = mma_kv.get_thread_slice(mma_tid);
     Tensor sdK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sdV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
     Tensor rdK = make_tensor<Element>(acc_dk.layout());
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) { rdK(i) = Element(acc_dk(i) * p.scale); }
-    Tensor rdV = convert_fragment<Element>(acc_dv);
+    Tensor rdV = make_tensor<Element>(acc_dv.layout());
+    if (sums == nullptr) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc_dk); ++i) { rdK(i) = Element(acc_dk(i) * p.scale); }
+      convert_into(acc_dv, rdV);
+    } else {
+      constexpr int kFrag = decltype(size(acc_dk))::value;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kFrag; ++i) {  // L2: the other shares' adds
+        rdK(i) = Element(__ldcg(sums + i * Traits::kNumMmaThreads + mma_tid) * p.scale);
+        rdV(i) = Element(__ldcg(sums + (kFrag + i) * Traits::kNumMmaThreads + mma_tid));
+      }
+    }
     // Both warpgroups' GEMMs that read K and V (the dQ GEMM reads all of K)
     // have retired before either buffer is overwritten.
     cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierEpilogue);

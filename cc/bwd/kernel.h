@@ -82,8 +82,10 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   // before it and live into both sides gets a stack slot (the producer has
   // 24 registers), which the consumer loop then reloads every block.
   auto make_mask = [&](const BwdTile& tile) {
-    return KeyBlockMask<kBlockM, kBlockN>(tile.n_block, min(p.q_lens[tile.batch], p.t),
-                                          min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+    KeyBlockMask<kBlockM, kBlockN> mask(tile.n_block, min(p.q_lens[tile.batch], p.t),
+                                        min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+    if (tile.pieces > 1) { mask.take_share(tile.piece, tile.pieces); }
+    return mask;
   };
 
   if (is_producer) {
@@ -121,9 +123,26 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
       };
       if (p.softcap > 0.f) { heads(cute::true_type{}); } else { heads(cute::false_type{}); }
     }
+    // A split key block's shares add up their dK/dV; all but the last to
+    // finish are done then (once their last dQ bulk reduce has read smem).
+    // The share is looked up again from a fresh read of the CTA index: kept
+    // live across the mainloop, it cost registers there (more spills).
+    const float* sums = nullptr;
+    if constexpr (Traits::kSplitTail) {
+      uint32_t bid;
+      asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
+      const BwdTile share = params.tiles(int(bid));
+      if (share.pieces > 1) {
+        sums = BwdEpilogue<Traits, Params>::combine_split(p, smem, mma_tid, share.slot, share.pieces, acc_dk, acc_dv);
+        if (sums == nullptr) {
+          if (mma_tid == 0) { tma_store_wait<0>(); }
+          return;
+        }
+      }
+    }
     // A key block no query sees still writes its (zero) gradients. The store
     // also waits for the last dQ bulk reduce to have read shared memory.
-    BwdEpilogue<Traits, Params>::store(params, smem, mma_tid, n_block, kv_head, batch, acc_dk, acc_dv);
+    BwdEpilogue<Traits, Params>::store(params, smem, mma_tid, n_block, kv_head, batch, acc_dk, acc_dv, sums);
   }
 #endif
 }
@@ -154,6 +173,18 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(p.semaphore, 0,
                                     sizeof(int32_t) * size_t(p.b) * p.n * (p.t_pad / kBwdBlockM), stream);
   if (err != cudaSuccess) { return err; }
+  BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN, head_major_only());
+  constexpr int64_t kSplitSlotFloats = 2 * int64_t(Traits::kBlockN) * HeadDim;
+  if (Traits::kSplitTail && p.split_tail && !p.deterministic && p.dkv_split != nullptr) {
+    const int64_t slots = (p.dkv_split_floats - kBwdMaxSplitUnits) / kSplitSlotFloats;
+    tiles.plan_split(p.num_sms, (p.t + Traits::kBlockM - 1) / Traits::kBlockM * (p.n / p.kh),
+                     int(slots < kBwdMaxSplitUnits ? slots : kBwdMaxSplitUnits));
+  }
+  if (tiles.num_split() > 0) {  // zero the counters and the fp32 sums the shares add into
+    err = cudaMemsetAsync(p.dkv_split, 0, sizeof(float) * (kBwdMaxSplitUnits + tiles.num_split() * kSplitSlotFloats),
+                          stream);
+    if (err != cudaSuccess) { return err; }
+  }
 
   BwdKernelParams<Traits> kp{
       p,
@@ -163,7 +194,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
       Traits::make_tma_dkv(static_cast<Element*>(p.dk), layout(p.s, p.kh, p.b)),
       Traits::make_tma_dkv(static_cast<Element*>(p.dv), layout(p.s, p.kh, p.b)),
-      BwdTileOrder::make(p, Traits::kBlockN, head_major_only()),
+      tiles,
   };
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;

@@ -29,6 +29,14 @@ struct KeyBlockMask {
     }
   }
 
+  // A split key block (tile_scheduler.h): share `piece` of `pieces` visits an
+  // equal part of the query blocks.
+  CUTE_DEVICE void take_share(int piece, int pieces) {
+    const int lo = m_block_min, len = m_block_max - m_block_min;
+    m_block_min = lo + len * piece / pieces;
+    m_block_max = lo + len * (piece + 1) / pieces;
+  }
+
   // Deterministic dQ: the key blocks that visit query block m are contiguous,
   // [first, last]. Each adds its share in a fixed order, which is this key
   // block's turn. With a right bound (causal, windows) the order descends from

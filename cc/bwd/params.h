@@ -16,6 +16,21 @@ constexpr int kBwdRowPad = 128;
 // semaphores are per (batch, head, query block of this size).
 constexpr int kBwdBlockM = 64;
 
+// Split key blocks (tile_scheduler.h, BwdTileOrder::plan_split): the key
+// blocks of the grid's last, partial wave may run as several CTAs that each
+// take a share of the query blocks and add their fp32 dK/dV into a scratch
+// slot; the last one to finish stores the sums. A last wave holds fewer key
+// blocks than the GPU has SMs (132 on an H100/H200 SXM), so this cap on the
+// split key blocks per call does not bind on Hopper.
+constexpr int kBwdMaxSplitUnits = 160;
+// Scratch floats: kBwdMaxSplitUnits int32 counters, then per split key block
+// dK and dV partials of up to 128 keys x d. jax_fa3/primitives.py mirrors it.
+inline int64_t bwd_split_scratch_floats(int b, int s, int kh, int d) {
+  const int64_t units = int64_t(b) * kh * ((s + 63) / 64);  // kBlockN >= 64 everywhere
+  const int64_t slots = units < kBwdMaxSplitUnits ? units : kBwdMaxSplitUnits;
+  return kBwdMaxSplitUnits + slots * 2 * 128 * d;
+}
+
 struct BwdParams {
   // BTNH tensors, contiguous, as in FwdParams.
   const void* q = nullptr;     // [b, t, n, d]
@@ -34,6 +49,8 @@ struct BwdParams {
   float* delta = nullptr;      // [b, n, t_pad] rowsum(dO * O)
   float* lse_log2 = nullptr;   // [b, n, t_pad] lse * log2(e), +inf on padding rows
   int32_t* semaphore = nullptr;  // [b, n, t_pad / kBwdBlockM] deterministic dQ turn counters
+  float* dkv_split = nullptr;    // [bwd_split_scratch_floats(b, s, kh, d)] split key blocks' sums
+  int64_t dkv_split_floats = 0;
 
   int b = 0, t = 0, s = 0, n = 0, kh = 0, d = 0, t_pad = 0;
   float scale = 1.f;
@@ -44,6 +61,11 @@ struct BwdParams {
   // adds it with one bulk reduce (cp.reduce.async.bulk .add.f32); true uses
   // per-element fp32 atomics (JAX_FA3_BWD_DQ_ATOMIC=1, for A/B checks).
   bool dq_atomic = false;
+  // Split the last wave's key blocks (never in deterministic mode: the fp32
+  // sum of more than two partials depends on their order). JAX_FA3_BWD_SPLIT=0
+  // turns it off for A/B runs.
+  bool split_tail = true;
+  int num_sms = 0;
 };
 
 using BwdLauncher = cudaError_t (*)(const BwdParams&, cudaStream_t);

@@ -12,6 +12,11 @@
 //  - descending, for deterministic causal-like runs: head-major with key
 //    blocks high to low, so a CTA waits only on CTAs dispatched before it
 //    (mask.h, dq_turn).
+// Any order but the deterministic one may split the key blocks of the grid's
+// last, partial wave (plan_split): with 2048 equal key blocks on 132 SMs (d128,
+// 16k tokens) the 16th wave is half empty, 3% of the run. Each such block
+// becomes `pieces` CTAs, appended at the end of the grid, that take equal
+// shares of its query blocks; they combine dK/dV in fp32 (epilogue.h).
 #pragma once
 
 #include <cute/config.hpp>
@@ -21,6 +26,7 @@ namespace jax_fa3 {
 
 struct BwdTile {
   int n_block, kv_head, batch;
+  int piece = 0, pieces = 1, slot = -1;  // split key blocks: share, share count, scratch slot
 };
 
 struct BwdTileOrder {
@@ -28,7 +34,12 @@ struct BwdTileOrder {
   // Key blocks per chunk: with at most ~132 CTAs in flight, about four heads'
   // Q/dO/dQ working sets are live at once (a 16k head's fp32 dQ is 8 MB).
   static constexpr int kChunk = 32;
+  // A split share should keep several query blocks: each CTA also pays for
+  // the K/V load, the fp32 combine and the epilogue (shares of 5 blocks made
+  // d128 at 1k 1.4% slower on the H200).
+  static constexpr int kMaxPieces = 8, kMinBlocksPerPiece = 8;
   int order, num_n, num_hb, kh;
+  int split_from = 0x7fffffff, pieces = 1;  // units >= split_from run as `pieces` CTAs each
 
   // head_major_only: the A/B knob (JAX_FA3_BWD_ORDER=head).
   static BwdTileOrder make(const BwdParams& p, int block_n, bool head_major_only) {
@@ -36,25 +47,62 @@ struct BwdTileOrder {
     const int order = (p.deterministic && p.window_right >= 0) ? kDescending
                       : (causal_like && !head_major_only)      ? kLongestFirst
                                                                : kHeadMajor;
-    return {order, (p.s + block_n - 1) / block_n, p.kh * p.b, p.kh};
+    BwdTileOrder o{order, (p.s + block_n - 1) / block_n, p.kh * p.b, p.kh};
+    o.split_from = o.num_units();
+    return o;
   }
-  int num_ctas() const { return num_n * num_hb; }
+  int num_units() const { return num_n * num_hb; }
+  int num_ctas() const { return split_from + (num_units() - split_from) * pieces; }
+  int num_split() const { return num_units() - split_from; }
+
+  // Units of work in the last wave: r = units % sms (all of them below one
+  // wave). Split into q shares they take ceil(r q / sms) rounds of 1/q of a
+  // unit's time instead of one round of 1: choose the q that saves the most,
+  // preferring fewer shares unless more save another 5% of a unit.
+  // blocks_per_unit: query blocks one key block visits (over its GQA group).
+  // Longest-first orders end with their shortest key blocks, so they split
+  // only when everything fits in one wave.
+  void plan_split(int sms, int blocks_per_unit, int max_slots) {
+    const int units = num_units();
+    if (order == kDescending || sms <= 0 || (order == kLongestFirst && units > sms)) { return; }
+    const int r = units % sms;
+    const int q_max = min(kMaxPieces, blocks_per_unit / kMinBlocksPerPiece);
+    if (r == 0 || r > max_slots) { return; }
+    float best = 1.f;
+    for (int q = 2; q <= q_max; ++q) {
+      const float cost = float((r * q + sms - 1) / sms) / q;
+      if (cost < best - 0.05f) { best = cost; pieces = q; }
+    }
+    if (pieces > 1) { split_from = units - r; }
+  }
 
   CUTE_HOST_DEVICE BwdTile operator()(int bid) const {
+    BwdTile t;
+    int unit = bid;
+    if (bid >= split_from) {
+      const int k = bid - split_from;
+      t.slot = k / pieces;
+      t.piece = k - t.slot * pieces;
+      t.pieces = pieces;
+      unit = split_from + t.slot;
+    }
     int n, hb;
     if (order == kLongestFirst) {
       const int per_chunk = kChunk * num_hb;
-      const int chunk = bid / per_chunk;  // all chunks but the last are full
+      const int chunk = unit / per_chunk;  // all chunks but the last are full
       const int width = min(kChunk, num_n - chunk * kChunk);
-      const int r = bid - chunk * per_chunk;
+      const int r = unit - chunk * per_chunk;
       hb = r / width;
       n = chunk * kChunk + r % width;
     } else {
-      hb = bid / num_n;
-      n = bid % num_n;
+      hb = unit / num_n;
+      n = unit % num_n;
       if (order == kDescending) { n = num_n - 1 - n; }
     }
-    return {n, hb % kh, hb / kh};
+    t.n_block = n;
+    t.kv_head = hb % kh;
+    t.batch = hb / kh;
+    return t;
   }
 };
 

@@ -56,6 +56,10 @@ struct BwdTraits {
   static constexpr int kStages = BwdTileConfig<HeadDim>::kStages;
   static constexpr bool kStagePdS = BwdTileConfig<HeadDim>::kStagePdS;
   static constexpr int kDqChunks = BwdTileConfig<HeadDim>::kDqChunks;
+  // Split key blocks of the last wave (tile_scheduler.h). Not at d64: the
+  // combine code after the mainloop made ptxas spill 12 more instructions
+  // inside it, 2% slower (H200) whether a launch splits or not.
+  static constexpr bool kSplitTail = HeadDim != 64;
   // Deterministic mode keeps one semaphore per kBwdBlockM rows (sized by the
   // caller); a larger block uses the first t_pad / kBlockM of them.
   static_assert(kBlockM % kBwdBlockM == 0, "semaphore granularity is kBwdBlockM");
@@ -158,6 +162,7 @@ struct BwdTraits {
     cute::array_aligned<float, kDqBufs * kBlockM * kHeadDim, 128> dq;
     typename PipelineQdO::SharedStorage pipe_qdo;
     typename PipelineKV::SharedStorage pipe_kv;
+    int split_last;  // split key blocks: this share finished last (epilogue.h)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds shared memory");

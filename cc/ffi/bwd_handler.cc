@@ -1,8 +1,9 @@
 // XLA FFI handler for the backward pass: checks what the kernels rely on,
 // fills BwdParams and dispatches to the compiled (dtype, head dim). The fp32
-// scratch (dQ accumulator, delta, base-2 LSE, deterministic-mode semaphores)
-// arrives as extra custom-call outputs that the lowering discards, so XLA owns
-// every byte the kernels touch and nothing is allocated here.
+// scratch (dQ accumulator, delta, base-2 LSE, deterministic-mode semaphores,
+// split key blocks' sums) arrives as extra custom-call outputs that the
+// lowering discards, so XLA owns every byte the kernels touch and nothing is
+// allocated here.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -10,6 +11,8 @@
 
 #include <cuda_runtime_api.h>
 #include "xla/ffi/api/ffi.h"
+
+#include "sm_count.h"
 
 #include "../bwd/params.h"
 
@@ -25,6 +28,22 @@ bool dq_atomic() {
     return v && *v && std::strcmp(v, "0") != 0;
   }();
   return on;
+}
+
+// A/B switch for splitting the last wave's key blocks (BwdParams::split_tail).
+bool split_tail() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAX_FA3_BWD_SPLIT");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+// The knobs and the device facts the handler and the XLA-free entry both fill in.
+void apply_env_knobs(BwdParams& p) {
+  p.dq_atomic = dq_atomic();
+  p.split_tail = split_tail();
+  if (p.num_sms == 0) { p.num_sms = sm_count(); }
 }
 
 // The compiled instantiation for (dtype, head dim), or nullptr; shared by the
@@ -54,7 +73,8 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                    ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
-                   ffi::Result<ffi::Buffer<ffi::S32>> semaphore, float scale, float softcap,
+                   ffi::Result<ffi::Buffer<ffi::S32>> semaphore, ffi::Result<ffi::Buffer<ffi::F32>> dkv_split,
+                   float scale, float softcap,
                    int32_t window_left, int32_t window_right, int32_t deterministic) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4) {
@@ -86,7 +106,8 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     return ffi::Error::InvalidArgument("jax_fa3_bwd: seq-length arrays must have shape [B]");
   }
   if (dq_accum->element_count() != rows * p.d || delta->element_count() != rows ||
-      lse_log2->element_count() != rows || semaphore->element_count() != rows / kBwdBlockM) {
+      lse_log2->element_count() != rows || semaphore->element_count() != rows / kBwdBlockM ||
+      int64_t(dkv_split->element_count()) != bwd_split_scratch_floats(p.b, p.s, p.kh, p.d)) {
     return ffi::Error::InvalidArgument("jax_fa3_bwd: scratch outputs have the wrong size");
   }
   if (p.b == 0 || p.n == 0 || p.d == 0) { return ffi::Error::Success(); }
@@ -103,12 +124,13 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.dq = dq->untyped_data(); p.dk = dk->untyped_data(); p.dv = dv->untyped_data();
   p.dq_accum = dq_accum->typed_data(); p.delta = delta->typed_data();
   p.lse_log2 = lse_log2->typed_data(); p.semaphore = semaphore->typed_data();
+  p.dkv_split = dkv_split->typed_data(); p.dkv_split_floats = int64_t(dkv_split->element_count());
   p.scale = scale; p.softcap = softcap;
   // As in the forward: a window side covering the whole sequence is dropped.
   p.window_left = (window_left < 0 || window_left >= p.t) ? -1 : window_left;
   p.window_right = (window_right < 0 || window_right >= p.s) ? -1 : window_right;
   p.deterministic = deterministic != 0;
-  p.dq_atomic = dq_atomic();
+  apply_env_knobs(p);
 
   const BwdKernelEntry* e = find_bwd_kernel(dtype, p.d);
   if (e == nullptr) {
@@ -144,6 +166,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::F32>>()    // scratch: delta
         .Ret<ffi::Buffer<ffi::F32>>()    // scratch: lse_log2
         .Ret<ffi::Buffer<ffi::S32>>()    // scratch: semaphores
+        .Ret<ffi::Buffer<ffi::F32>>()    // scratch: split key blocks' counters and sums
         .Attr<float>("scale")
         .Attr<float>("softcap")
         .Attr<int32_t>("window_left")
@@ -171,7 +194,7 @@ __attribute__((visibility("default"))) int jax_fa3_bwd_launch(const jax_fa3::Bwd
     return int(cudaErrorInvalidValue);
   }
   jax_fa3::BwdParams params = *p;
-  params.dq_atomic = jax_fa3::dq_atomic();
+  jax_fa3::apply_env_knobs(params);
   return int(e->launch(params, stream));
 }
 __attribute__((visibility("default"))) void jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim) {

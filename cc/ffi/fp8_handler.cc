@@ -2,12 +2,13 @@
 // (jax_fa3_fp8_quantize) and the FP8 forward (jax_fa3_fp8_fwd). Thin: they
 // check what the kernels rely on and fill the parameter structs; block sizes
 // and scale shapes are decided in Python (jax_fa3/fp8.py) and checked here.
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include <cuda_runtime_api.h>
 #include "xla/ffi/api/ffi.h"
+
+#include "sm_count.h"
 
 #include "../fp8/params.h"
 #include "../fp8/quantize.h"
@@ -16,20 +17,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_fa3 {
 namespace {
-
-int fp8_sm_count() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= kMaxDevices) { dev = 0; }
-  int n = counts[dev].load(std::memory_order_relaxed);
-  if (n == 0) {
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    counts[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
 
 bool to_dtype(ffi::DataType t, DType* out) {
   if (t == ffi::DataType::BF16) { *out = DType::kBF16; return true; }
@@ -142,7 +129,7 @@ ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   p.scale = scale;
   p.window_left = (window_left < 0 || window_left >= p.t) ? -1 : window_left;
   p.window_right = (window_right < 0 || window_right >= p.s) ? -1 : window_right;
-  p.num_sms = fp8_sm_count();
+  p.num_sms = sm_count();
   fp.q_scale = q_scale.typed_data();
   fp.k_scale = k_scale.typed_data();
   fp.v_scale = v_scale.typed_data();
@@ -222,7 +209,7 @@ extern "C" {
 __attribute__((visibility("default"))) int jax_fa3_fp8_fwd_launch(const jax_fa3::Fp8FwdParams* p,
                                                                   int out_dtype, cudaStream_t stream) {
   jax_fa3::Fp8FwdParams params = *p;
-  if (params.base.num_sms == 0) { params.base.num_sms = jax_fa3::fp8_sm_count(); }
+  if (params.base.num_sms == 0) { params.base.num_sms = jax_fa3::sm_count(); }
   for (int i = 0; i < jax_fa3::kNumFp8FwdKernels; ++i) {
     const jax_fa3::Fp8FwdKernelEntry& e = jax_fa3::kFp8FwdKernels[i];
     if (int(e.out_dtype) == out_dtype && e.head_dim == params.base.d) { return int(e.launch(params, stream)); }

@@ -1,7 +1,6 @@
 // XLA FFI handler for the forward pass: validates what the kernel relies on,
 // fills FwdParams and dispatches to the compiled instantiation. Thin on
 // purpose: shape policy lives in Python, kernels live in cc/fwd.
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -9,6 +8,8 @@
 
 #include <cuda_runtime_api.h>
 #include "xla/ffi/api/ffi.h"
+
+#include "sm_count.h"
 
 #include "../fwd/params.h"
 
@@ -61,21 +62,6 @@ void apply_env_knobs(FwdParams& p) {
   }();
   p.causal_order = order;
   p.pingpong_masked = pingpong;
-}
-
-// Cached per device (a process may drive several GPUs of different kinds).
-int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= kMaxDevices) { dev = 0; }
-  int n = counts[dev].load(std::memory_order_relaxed);
-  if (n == 0) {
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    counts[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
 }
 
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

@@ -47,9 +47,20 @@ struct TileMask {
   // one interval [lo, hi), so each element costs two compares and a select;
   // the element-wise short-circuit test it replaces compiled to branches
   // (BSSY/BRA per element) and made a causal diagonal block cost about as
-  // much as two unmasked ones (ncu, d128 causal 512).
+  // much as two unmasked ones (ncu, d128 causal 512). Without a left bound
+  // (causal, padding) the lower compare is dropped: one compare and a select.
   template <class TS, class TC>
   CUTE_DEVICE void apply(TS& scores, TC const& coords, int n_block) const {
+    if (left >= 0) {
+      apply_rows<true>(scores, coords, n_block);
+    } else {
+      apply_rows<false>(scores, coords, n_block);
+    }
+  }
+
+ private:
+  template <bool kLeft, class TS, class TC>
+  CUTE_DEVICE void apply_rows(TS& scores, TC const& coords, int n_block) const {
     Tensor s = as_rowcol(scores);
     Tensor c = as_rowcol(coords);
     const int col0 = n_block * kBlockN;
@@ -58,11 +69,12 @@ struct TileMask {
       const int i = m_start + get<0>(c(r, 0));
       int hi = kv_len - col0;                            // tile-local, exclusive
       if (right >= 0) { hi = min(hi, i + right + 1 - col0); }
-      const int lo = left >= 0 ? i - left - col0 : -kBlockN;  // tile-local, inclusive
+      const int lo = i - left - col0;                    // tile-local, inclusive (kLeft)
       CUTLASS_PRAGMA_UNROLL
       for (int col = 0; col < size<1>(s); ++col) {
         const int j = get<1>(c(r, col));
-        s(r, col) = ((j >= lo) & (j < hi)) ? s(r, col) : -INFINITY;
+        const bool visible = kLeft ? ((j >= lo) & (j < hi)) : (j < hi);
+        s(r, col) = visible ? s(r, col) : -INFINITY;
       }
     }
   }

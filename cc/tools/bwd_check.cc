@@ -51,12 +51,13 @@ struct Buffers {
   int b, t, s, n, kh, d, t_pad;
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *dout = nullptr;
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;
-  float *lse = nullptr, *dq_accum = nullptr, *delta = nullptr, *lse_log2 = nullptr;
+  float *lse = nullptr, *dq_accum = nullptr, *delta = nullptr, *lse_log2 = nullptr, *split = nullptr;
   int32_t *sem = nullptr, *ql = nullptr, *kl = nullptr;
   size_t nq() const { return size_t(b) * t * n * d; }
   size_t nk() const { return size_t(b) * s * kh * d; }
   size_t rows() const { return size_t(b) * n * t_pad; }
   size_t sems() const { return rows() / jax_fa3::kBwdBlockM; }
+  size_t splits() const { return size_t(jax_fa3::bwd_split_scratch_floats(b, s, kh, d)); }
 };
 
 Buffers alloc(int b, int t, int s, int n, int kh, int d) {
@@ -68,6 +69,7 @@ Buffers alloc(int b, int t, int s, int n, int kh, int d) {
   CHECK_CUDA(cudaMalloc((void**)&m.delta, m.rows() * 4));
   CHECK_CUDA(cudaMalloc((void**)&m.lse_log2, m.rows() * 4));
   CHECK_CUDA(cudaMalloc((void**)&m.sem, m.sems() * 4));
+  CHECK_CUDA(cudaMalloc((void**)&m.split, m.splits() * 4));
   CHECK_CUDA(cudaMalloc((void**)&m.ql, b * 4));
   CHECK_CUDA(cudaMalloc((void**)&m.kl, b * 4));
   return m;
@@ -75,7 +77,7 @@ Buffers alloc(int b, int t, int s, int n, int kh, int d) {
 
 void release(Buffers& m) {
   for (void* p : {m.q, m.k, m.v, m.o, m.dout, m.dq, m.dk, m.dv, (void*)m.lse, (void*)m.dq_accum,
-                  (void*)m.delta, (void*)m.lse_log2, (void*)m.sem, (void*)m.ql, (void*)m.kl}) {
+                  (void*)m.delta, (void*)m.lse_log2, (void*)m.sem, (void*)m.split, (void*)m.ql, (void*)m.kl}) {
     cudaFree(p);
   }
 }
@@ -91,6 +93,7 @@ void poison_outputs(const Buffers& m) {
   CHECK_CUDA(cudaMemset(m.delta, 0xFF, m.rows() * 4));
   CHECK_CUDA(cudaMemset(m.lse_log2, 0xFF, m.rows() * 4));
   CHECK_CUDA(cudaMemset(m.sem, 0xFF, m.sems() * 4));
+  CHECK_CUDA(cudaMemset(m.split, 0xFF, m.splits() * 4));
 }
 
 jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int right) {
@@ -108,6 +111,7 @@ jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int rig
   p.q_lens = m.ql; p.kv_lens = m.kl;
   p.dq = m.dq; p.dk = m.dk; p.dv = m.dv;
   p.dq_accum = m.dq_accum; p.delta = m.delta; p.lse_log2 = m.lse_log2; p.semaphore = m.sem;
+  p.dkv_split = m.split; p.dkv_split_floats = int64_t(m.splits());
   p.b = m.b; p.t = m.t; p.s = m.s; p.n = m.n; p.kh = m.kh; p.d = m.d; p.t_pad = m.t_pad;
   p.scale = 1.f / std::sqrt(float(m.d)); p.softcap = softcap;
   p.window_left = left; p.window_right = right;
@@ -348,7 +352,8 @@ int main(int argc, char** argv) {
     return time_shape(ts, bf16, deterministic, std::max(iters, 1));
   }
   // Odd lengths, T != S, GQA, causal, windows (one with rows that see no key),
-  // softcap, seq lengths, deterministic dQ; several key and query blocks each.
+  // softcap, seq lengths, deterministic dQ, split key blocks; several key and
+  // query blocks each.
   const std::vector<Case> cases = {
       {"odd", 1, 77, 77, 2, 2, false},
       {"odd_causal", 1, 77, 77, 2, 2, true},
@@ -369,6 +374,9 @@ int main(int argc, char** argv) {
       {"det_window_lens", 2, 260, 280, 4, 2, false, 70, 30, 0.f, true, true},
       // Causal deterministic dQ runs its turns from the diagonal down (dq_turn).
       {"det_causal_lens", 3, 190, 330, 2, 2, true, -1, -1, 0.f, true, true},
+      // Fewer key blocks than SMs: split into 4 and 2-3 shares (tile_scheduler.h).
+      {"split", 1, 1000, 1000, 2, 2, false},
+      {"split_window_lens_gqa", 2, 600, 700, 4, 2, false, 200, 90, 0.f, true},
   };
   int passed = 0, failed = 0;
   for (int d : hdims) {
