@@ -14,7 +14,9 @@ same process on the same inputs.  After a warm-up (compile + a few calls) the
 time of one call is estimated, then ``N`` back-to-back calls (``N`` chosen so a
 run lasts >= ``--min-run-ms``) are timed with ``jax.block_until_ready`` on the
 last result (device-synchronized, wall clock); the reported time is the min
-over ``--repeats`` runs of the per-call mean.  Calls rotate over
+over ``--repeats`` runs of the per-call mean.  Per shape the runs of the
+implementations alternate (fa3, cuDNN, fa3, cuDNN, ...), so a drift of the
+GPU's clocks over the shape's measurements affects both alike.  Calls rotate over
 ``--rotate`` independent input sets (each tensor is 64 MiB, larger than the
 H100/H200 L2, so this mostly guards against cross-call reuse).
 Backward time = time(forward + backward through ``jax.vjp``) - time(forward).
@@ -353,30 +355,45 @@ def make_inputs(shape: Shape, dtype, n_sets: int, seed: int = 0):
   return sets
 
 
+class RunTimer:
+  """Timed runs of one jitted function: warm-up (compile + calls) and an
+  estimate of one call at construction, then ``run()`` issues ``iters``
+  back-to-back calls and returns the mean time per call (s). One run at a
+  time, so the runs of several functions can alternate (measure_shape)."""
+
+  def __init__(self, fn, arg_sets, *, warmup: int, min_run_s: float,
+               max_iters: int):
+    import jax
+    self.fn, self.arg_sets = fn, arg_sets
+    n = len(arg_sets)
+    for i in range(max(1, warmup)):
+      jax.block_until_ready(fn(*arg_sets[i % n]))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[0]))
+    est = max(time.perf_counter() - t0, 1e-6)
+    self.iters = int(min(max_iters, max(3, math.ceil(min_run_s / est))))
+
+  def run(self) -> float:
+    import jax
+    n = len(self.arg_sets)
+    out = None
+    t0 = time.perf_counter()
+    for i in range(self.iters):
+      out = self.fn(*self.arg_sets[i % n])
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / self.iters
+
+
 def time_fn(fn, arg_sets, *, warmup: int, repeats: int, min_run_s: float,
             max_iters: int, stat: str = "min") -> tuple[float, int]:
   """Min (``stat="median"``: median) over `repeats` of the mean time (s) of N
   back-to-back calls."""
   if stat not in ("min", "median"):
     raise ValueError(f"stat must be 'min' or 'median', got {stat!r}")
-  import jax
-  n = len(arg_sets)
-  for i in range(max(1, warmup)):
-    jax.block_until_ready(fn(*arg_sets[i % n]))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*arg_sets[0]))
-  est = max(time.perf_counter() - t0, 1e-6)
-  iters = int(min(max_iters, max(3, math.ceil(min_run_s / est))))
-  runs = []
-  for _ in range(repeats):
-    out = None
-    t0 = time.perf_counter()
-    for i in range(iters):
-      out = fn(*arg_sets[i % n])
-    jax.block_until_ready(out)
-    runs.append((time.perf_counter() - t0) / iters)
-    del out
-  return (min(runs) if stat == "min" else statistics.median(runs)), iters
+  timer = RunTimer(fn, arg_sets, warmup=warmup, min_run_s=min_run_s,
+                   max_iters=max_iters)
+  runs = [timer.run() for _ in range(repeats)]
+  return (min(runs) if stat == "min" else statistics.median(runs)), timer.iters
 
 
 def _classify(e: BaseException) -> str | None:
@@ -407,63 +424,74 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
         rows.append(Row(impl, m, dtype_name, shape, status=reason))
     return rows
 
-  kw = dict(warmup=args.warmup, repeats=args.repeats,
-            min_run_s=args.min_run_ms / 1e3, max_iters=args.max_iters)
+  kw = dict(warmup=args.warmup, min_run_s=args.min_run_ms / 1e3,
+            max_iters=args.max_iters)
+  # Timers per (impl, "fwd" | "fb"): fb is forward + backward through jax.vjp;
+  # the backward's time is fb - fwd. A failure skips that impl's later modes.
+  timers, failed = {}, {}
   for impl in impls:
     try:
       attn = _attn_fn(impl, shape.causal)
+      fns = {"fwd": jax.jit(lambda q, k, v, do, attn=attn: attn(q, k, v))}
+      if "bwd" in modes:
+        @jax.jit
+        def fwd_bwd(q, k, v, do, attn=attn):
+          _, pull = jax.vjp(attn, q, k, v)
+          return pull(do)
+        fns["fb"] = fwd_bwd
+      for what, fn in fns.items():
+        timers[impl, what] = RunTimer(fn, sets, **kw)
     except Exception as e:  # noqa: BLE001
-      reason = f"unavailable ({type(e).__name__}: {str(e)[:120]})"
-      print(f"  skip {impl} {shape}: {reason}", flush=True)
-      rows += [Row(impl, m, dtype_name, shape, status=reason) for m in modes]
-      continue
-    fwd = jax.jit(lambda q, k, v, do: attn(q, k, v))
-
-    @jax.jit
-    def fwd_bwd(q, k, v, do):
-      _, pull = jax.vjp(attn, q, k, v)
-      return pull(do)
-
-    t_fwd = t_fb = None
-    fwd_iters = 0
+      failed[impl] = _failure(e, impl, shape)
+      timers = {key: t for key, t in timers.items() if key[0] != impl}
+  # The runs alternate between the implementations (fa3, cuDNN, fa3, ...), so
+  # a drift of the GPU's clock or temperature over the shape's minute of
+  # measurements does not favour whichever ran first.
+  runs = {key: [] for key in timers}
+  for _ in range(args.repeats):
+    for key, timer in list(timers.items()):
+      try:
+        runs[key].append(timer.run())
+      except Exception as e:  # noqa: BLE001
+        failed[key[0]] = _failure(e, key[0], shape)
+        for k2 in [k for k in timers if k[0] == key[0]]:
+          del timers[k2]
+  for impl in impls:
     for m in modes:
       row = Row(impl, m, dtype_name, shape)
-      try:
-        if t_fwd is None:  # bwd needs the forward time as well
-          t_fwd, fwd_iters = time_fn(fwd, sets, **kw)
-        if m == "fwd":
-          t, row.iters = t_fwd, fwd_iters
-        else:
-          t_fb, row.iters = time_fn(fwd_bwd, sets, **kw)
-          t = t_fb - t_fwd
+      if impl in failed:
+        row.status = failed[impl]
+      else:
+        t_fwd = min(runs[impl, "fwd"])
+        t, row.iters = t_fwd, timers[impl, "fwd"].iters
+        if m == "bwd":
+          t_fb = min(runs[impl, "fb"])
+          t, row.iters = t_fb - t_fwd, timers[impl, "fb"].iters
           if t <= 0:
-            raise RuntimeError(f"fwd+bwd ({t_fb * 1e3:.3f} ms) <= fwd "
-                               f"({t_fwd * 1e3:.3f} ms)")
-        row.ms = t * 1e3
-        row.tflops = tflops_of(
-            attn_flops(shape.batch, shape.heads, shape.seqlen, shape.hdim,
-                       shape.causal, m), row.ms)
-        print(f"  {impl:5s} {m} d={shape.hdim} causal={int(shape.causal)} "
-              f"s={shape.seqlen:5d} b={shape.batch:2d} h={shape.heads:2d}: "
-              f"{row.ms:8.3f} ms {row.tflops:7.1f} TFLOP/s", flush=True)
-      except Exception as e:  # noqa: BLE001
-        reason = _classify(e)
-        if reason is None:
-          first = (str(e).strip().splitlines() or [""])[0]
-          reason = f"error ({type(e).__name__}: {first[:160]})"
-        row.status = reason
-        print(f"  skip {impl} {m} d={shape.hdim} causal={int(shape.causal)} "
-              f"s={shape.seqlen}: {reason}", flush=True)
-        if m == "fwd" or t_fwd is None:
-          # Without a forward time no backward number either.
-          for m2 in modes[modes.index(m) + 1:]:
-            rows.append(Row(impl, m2, dtype_name, shape, status=reason))
-          rows.append(row)
-          break
+            row.status = (f"error (fwd+bwd {t_fb * 1e3:.3f} ms <= fwd "
+                          f"{t_fwd * 1e3:.3f} ms)")
+        if row.status == "ok":
+          row.ms = t * 1e3
+          row.tflops = tflops_of(
+              attn_flops(shape.batch, shape.heads, shape.seqlen, shape.hdim,
+                         shape.causal, m), row.ms)
+          print(f"  {impl:5s} {m} d={shape.hdim} causal={int(shape.causal)} "
+                f"s={shape.seqlen:5d} b={shape.batch:2d} h={shape.heads:2d}: "
+                f"{row.ms:8.3f} ms {row.tflops:7.1f} TFLOP/s", flush=True)
       rows.append(row)
-    del fwd, fwd_bwd
-  del sets
+  del timers, runs, sets
   return rows
+
+
+def _failure(e: BaseException, impl: str, shape: Shape) -> str:
+  """A skip reason for rows of `impl`, printed once."""
+  reason = _classify(e)
+  if reason is None:
+    first = (str(e).strip().splitlines() or [""])[0]
+    reason = f"error ({type(e).__name__}: {first[:160]})"
+  print(f"  skip {impl} d={shape.hdim} causal={int(shape.causal)} "
+        f"s={shape.seqlen}: {reason}", flush=True)
+  return reason
 
 
 # ---------------------------------------------------------------------------
