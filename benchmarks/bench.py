@@ -16,7 +16,9 @@ run lasts >= ``--min-run-ms``) are timed with ``jax.block_until_ready`` on the
 last result (device-synchronized, wall clock); the reported time is the min
 over ``--repeats`` runs of the per-call mean.  Per shape the runs of the
 implementations alternate (fa3, cuDNN, fa3, cuDNN, ...), so a drift of the
-GPU's clocks over the shape's measurements affects both alike.  Calls rotate over
+GPU's clocks over the shape's measurements affects both alike.
+``--bwd-timing direct`` times the jitted pullback alone instead of the
+subtraction (residuals computed beforehand, passed in as a pytree).  Calls rotate over
 ``--rotate`` independent input sets (each tensor is 64 MiB, larger than the
 H100/H200 L2, so this mostly guards against cross-call reuse).
 Backward time = time(forward + backward through ``jax.vjp``) - time(forward).
@@ -433,7 +435,7 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
     try:
       attn = _attn_fn(impl, shape.causal)
       fns = {"fwd": jax.jit(lambda q, k, v, do, attn=attn: attn(q, k, v))}
-      if "bwd" in modes:
+      if "bwd" in modes and args.bwd_timing == "subtract":
         @jax.jit
         def fwd_bwd(q, k, v, do, attn=attn):
           _, pull = jax.vjp(attn, q, k, v)
@@ -441,6 +443,12 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
         fns["fb"] = fwd_bwd
       for what, fn in fns.items():
         timers[impl, what] = RunTimer(fn, sets, **kw)
+      if "bwd" in modes and args.bwd_timing == "direct":
+        # The pullback alone: its residuals (the forward's outputs) are
+        # computed once per input set and passed in as a pytree.
+        fwd_pull = jax.jit(lambda q, k, v, attn=attn: jax.vjp(attn, q, k, v)[1])
+        pulls = [(fwd_pull(*x[:3]), x[3]) for x in sets]
+        timers[impl, "bwd"] = RunTimer(jax.jit(lambda pull, do: pull(do)), pulls, **kw)
     except Exception as e:  # noqa: BLE001
       failed[impl] = _failure(e, impl, shape)
       timers = {key: t for key, t in timers.items() if key[0] != impl}
@@ -464,7 +472,9 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
       else:
         t_fwd = min(runs[impl, "fwd"])
         t, row.iters = t_fwd, timers[impl, "fwd"].iters
-        if m == "bwd":
+        if m == "bwd" and args.bwd_timing == "direct":
+          t, row.iters = min(runs[impl, "bwd"]), timers[impl, "bwd"].iters
+        elif m == "bwd":
           t_fb = min(runs[impl, "fb"])
           t, row.iters = t_fb - t_fwd, timers[impl, "fb"].iters
           if t <= 0:
@@ -560,6 +570,10 @@ def parse_args(argv=None):
   p.add_argument("--min-run-ms", type=float, default=100.0,
                  help="each timed run lasts at least this long")
   p.add_argument("--max-iters", type=int, default=500)
+  p.add_argument("--bwd-timing", choices=("subtract", "direct"), default="subtract",
+                 help="backward time: time(forward + backward through jax.vjp) - "
+                      "time(forward), or 'direct': the jitted pullback alone, on "
+                      "residuals computed beforehand")
   a = p.parse_args(argv)
   if a.quick:
     a.seqlens, a.hdims, a.causal = list(QUICK_SEQLENS), list(QUICK_HDIMS), "both"

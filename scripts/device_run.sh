@@ -85,7 +85,10 @@ for stage in "$@"; do
           --time $((16384 / t)),$t,$((2048 / d)),$d,$c ${BWD_TIMING_ARGS:-}  # e.g. "--deterministic 1"
       done; done; done 2>&1 | tee "$OUT/bwd_timing.log" ;;
     ablation) python3 benchmarks/ablation.py --out "$OUT/ablation" 2>&1 | tee "$OUT/ablation.log" | tail -20 ;;
-    bench) python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
+    bench)  # JAX's default allocator: with PREALLOCATE=false XLA's per-call scratch allocation
+      # starves the GPU between back-to-back fa3 backward calls (RESULTS.md, session 7)
+      env -u XLA_PYTHON_CLIENT_PREALLOCATE python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 \
+        | tee "$OUT/bench.log" | tail -60 ;;
     fp8check)  # FP8 pre-pass + kernel vs host float64, without XLA (cc/tools/fp8_check.cc); then timings.
       # Every launch is bracketed by flushed "[fp8_check]" lines and a 10 s host watchdog (exit 3, "HANG in ...").
       { timeout 60 build-dev/jax_fa3_fp8_check --stage prepass --watchdog 10; echo "prepass rc=$?"
