@@ -55,7 +55,8 @@ IMPLS = ("fa3", "fa3det", "cudnn", "xla")  # fa3det: deterministic=True backward
 MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
-              "heads", "kv_heads", "ms", "tflops", "ratio_vs_cudnn", "iters", "status")
+              "heads", "kv_heads", "ms", "tflops", "ratio_vs_cudnn", "iters", "status",
+              "sm_mhz", "power_w")
 
 
 # ---------------------------------------------------------------------------
@@ -84,6 +85,8 @@ class Row:
   ratio: float | None = None
   iters: int = 0
   status: str = "ok"
+  sm_mhz: float | None = None   # --clocks: mean SM clock / board power over the timed runs
+  power_w: float | None = None
 
 
 def attn_flops(batch: int, heads: int, seqlen: int, hdim: int, causal: bool,
@@ -190,7 +193,9 @@ def write_csv(rows: list[Row], path: str) -> None:
                   "" if r.ms is None else f"{r.ms:.5f}",
                   "" if r.tflops is None else f"{r.tflops:.2f}",
                   "" if r.ratio is None else f"{r.ratio:.3f}",
-                  r.iters, r.status])
+                  r.iters, r.status,
+                  "" if r.sm_mhz is None else f"{r.sm_mhz:.0f}",
+                  "" if r.power_w is None else f"{r.power_w:.0f}"])
   os.replace(tmp, path)
 
 
@@ -386,6 +391,46 @@ class RunTimer:
     return (time.perf_counter() - t0) / self.iters
 
 
+class ClockSampler:
+  """Samples the GPU's SM clock and board power with ``nvidia-smi -lms`` while
+  open (``--clocks``): a library that hits the power limit runs at a lower
+  clock than another on the same GPU, which TFLOP/s alone does not show.
+  Yields no samples where nvidia-smi is missing."""
+
+  def __init__(self, period_ms: int = 50):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    self.cmd = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                "--format=csv,noheader,nounits", "-lms", str(period_ms),
+                "-i", visible if visible.isdigit() else "0"]
+    self.proc = None
+    self.samples: list[tuple[float, float]] = []
+
+  def __enter__(self):
+    try:
+      self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+      self.proc = None
+    return self
+
+  def __exit__(self, *exc):
+    if self.proc is None:
+      return False
+    self.proc.terminate()
+    try:
+      out, _ = self.proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      out, _ = self.proc.communicate()
+    for line in out.splitlines():
+      parts = [p.strip() for p in line.split(",")]
+      try:
+        self.samples.append((float(parts[0]), float(parts[1])))
+      except (IndexError, ValueError):
+        continue
+    return False
+
+
 def time_fn(fn, arg_sets, *, warmup: int, repeats: int, min_run_s: float,
             max_iters: int, stat: str = "min") -> tuple[float, int]:
   """Min (``stat="median"``: median) over `repeats` of the mean time (s) of N
@@ -456,10 +501,16 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
   # a drift of the GPU's clock or temperature over the shape's minute of
   # measurements does not favour whichever ran first.
   runs = {key: [] for key in timers}
+  clocks = {key: [] for key in timers}  # (MHz, W) samples, with --clocks
   for _ in range(args.repeats):
     for key, timer in list(timers.items()):
       try:
-        runs[key].append(timer.run())
+        if args.clocks:
+          with ClockSampler() as sampler:
+            runs[key].append(timer.run())
+          clocks[key] += sampler.samples
+        else:
+          runs[key].append(timer.run())
       except Exception as e:  # noqa: BLE001
         failed[key[0]] = _failure(e, key[0], shape)
         for k2 in [k for k in timers if k[0] == key[0]]:
@@ -480,6 +531,12 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
           if t <= 0:
             row.status = (f"error (fwd+bwd {t_fb * 1e3:.3f} ms <= fwd "
                           f"{t_fwd * 1e3:.3f} ms)")
+        # The clocks of the timed function itself (for bwd: forward + backward).
+        samples = clocks.get((impl, "fwd" if m == "fwd" else
+                              ("bwd" if args.bwd_timing == "direct" else "fb")), [])
+        if samples:
+          row.sm_mhz = statistics.fmean(c for c, _ in samples)
+          row.power_w = statistics.fmean(p for _, p in samples)
         if row.status == "ok":
           row.ms = t * 1e3
           row.tflops = tflops_of(
@@ -487,7 +544,9 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
                          shape.causal, m), row.ms)
           print(f"  {impl:5s} {m} d={shape.hdim} causal={int(shape.causal)} "
                 f"s={shape.seqlen:5d} b={shape.batch:2d} h={shape.heads:2d}: "
-                f"{row.ms:8.3f} ms {row.tflops:7.1f} TFLOP/s", flush=True)
+                f"{row.ms:8.3f} ms {row.tflops:7.1f} TFLOP/s"
+                + ("" if row.sm_mhz is None else
+                   f"  ({row.sm_mhz:.0f} MHz, {row.power_w:.0f} W)"), flush=True)
       rows.append(row)
   del timers, runs, sets
   return rows
@@ -570,6 +629,9 @@ def parse_args(argv=None):
   p.add_argument("--min-run-ms", type=float, default=100.0,
                  help="each timed run lasts at least this long")
   p.add_argument("--max-iters", type=int, default=500)
+  p.add_argument("--clocks", action="store_true",
+                 help="sample the SM clock and board power (nvidia-smi) during "
+                      "each timed run; mean per row in results.csv")
   p.add_argument("--bwd-timing", choices=("subtract", "direct"), default="subtract",
                  help="backward time: time(forward + backward through jax.vjp) - "
                       "time(forward), or 'direct': the jitted pullback alone, on "
