@@ -33,7 +33,8 @@ struct BwdEpilogue {
                                                 TKV const& acc_dv) {
     constexpr int kFrag = decltype(size(acc_dk))::value;
     constexpr int kThreads = Traits::kNumMmaThreads;
-    static_assert(kFrag * kThreads <= 128 * kHeadDim);
+    // A slot holds one key block's dK and dV: the launcher sizes and zeroes 2 x kBlockN x d floats per slot.
+    static_assert(kFrag * kThreads == Traits::kBlockN * kHeadDim);
     float* sums = p.dkv_split + kBwdMaxSplitUnits + int64_t(slot) * 2 * kFrag * kThreads;
     // Element i of dK at sums[i][thread], of dV at sums[kFrag + i][thread]:
     // scalar adds, coalesced per warp (float4 adds cost the d64 mainloop 12

@@ -1,6 +1,7 @@
 // The warp-specialized backward kernel (one CTA per (key block, KV head,
 // batch), or per share of one: tile_scheduler.h) and the host launcher that
-// runs preprocess -> main -> postprocess on XLA's stream. Include from exactly one generated .cu per (dtype, head dim).
+// runs preprocess -> main -> postprocess on XLA's stream. Include from exactly
+// one generated .cu per (dtype, head dim).
 #pragma once
 
 #include <cute/tensor.hpp>
