@@ -23,8 +23,8 @@ Scale layout (float32, row-major), one scale per kernel block:
 
 * ``q_scale [B, N, ceil(T / 128)]``: 128 query rows of one head.
 * ``k_scale, v_scale [B, K, ceil(S / block_n)]`` with ``block_n =
-  kv_block_rows(head_dim)`` (128 for d 64/128, 64 for d 256): rows of one
-  key/value head.
+  kv_block_rows(head_dim)`` (128 for every head dim; it was 64 for d 256
+  before 2026-11-30): rows of one key/value head.
 
 A dequantized value is ``e4m3 value * scale``.  :func:`quantize_fp8` produces
 exactly this layout; :func:`attention_fp8` consumes it (e.g. an FP8 KV cache).
@@ -71,7 +71,8 @@ FWD_TARGET = "jax_fa3_fp8_fwd"
 
 def kv_block_rows(head_dim: int) -> int:
   """Rows per K/V scale block of the FP8 kernel for this head dim."""
-  return 64 if head_dim >= 256 else 128
+  del head_dim  # one block height for every head dim (cc/fp8/params.h)
+  return 128
 
 
 def _check_head_dim_pow2(h):

@@ -1,6 +1,8 @@
 // FP8 epilogue: as fwd/epilogue.h (registers -> smem -> one TMA store per
 // tile, LSE from registers), but O has the output dtype, not the e4m3
-// operand type, and always has its own buffer.
+// operand type, and has its own buffer -- or, where that buffer does not fit
+// next to the K/V/V^T rings (kStageO false: d256), goes from registers
+// straight to global in 4-byte pairs.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,7 +21,7 @@ struct Fp8Epilogue {
   static constexpr uint32_t kBarrierO = 0;  // user named-barrier id (ping-pong uses 1, 2)
 
   CUTE_DEVICE static void drain(int mma_tid) {
-    if (mma_tid == 0) { tma_store_wait<0>(); }
+    if (Traits::kStageO && mma_tid == 0) { tma_store_wait<0>(); }
   }
 
   template <int kRows, class TO>
@@ -43,23 +45,46 @@ struct Fp8Epilogue {
     }
 
     Tensor rO = convert_fragment<ElementO>(acc_o);
-    Tensor sO = make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutO{});
-    // The previous tile's store may still be reading the buffer.
-    if (mma_tid == 0) { tma_store_wait<0>(); }
-    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
-    Tensor tOsO = thr_pv.partition_C(sO);
-    copy(rO, tOsO);
-    cutlass::arch::fence_view_async_shared();  // generic writes -> TMA (async proxy)
-    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
+    if constexpr (Traits::kStageO) {
+      Tensor sO = make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutO{});
+      // The previous tile's store may still be reading the buffer.
+      if (mma_tid == 0) { tma_store_wait<0>(); }
+      cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
+      Tensor tOsO = thr_pv.partition_C(sO);
+      copy(rO, tOsO);
+      cutlass::arch::fence_view_async_shared();  // generic writes -> TMA (async proxy)
+      cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
 
-    if (mma_tid == 0) {
-      Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
-      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(tile.m_block, _0{}));
-      auto [tOgO, tOsO_tma] = tma_partition(params.tma_o, Int<0>{}, Layout<_1>{},
-                                            group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-      copy(params.tma_o, tOsO_tma, tOgO);
-      tma_store_arrive();
+      if (mma_tid == 0) {
+        Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
+        Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                               make_coord(tile.m_block, _0{}));
+        auto [tOgO, tOsO_tma] = tma_partition(params.tma_o, Int<0>{}, Layout<_1>{},
+                                              group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+        copy(params.tma_o, tOsO_tma, tOgO);
+        tma_store_arrive();
+      }
+    } else {
+      // The accumulator gives each thread column pairs (2t, 2t + 1) of every
+      // 8-column group: one 4-byte store per pair, rows past the sequence end
+      // skipped (the TMA store clips them).
+      Tensor rO_rc = as_rowcol(rO);
+      static_assert(decltype(size<1>(rO_rc))::value % 2 == 0);
+      ElementO* o_head = static_cast<ElementO*>(p.o) + (int64_t(tile.batch) * p.t * p.n + tile.head) * kHeadDim;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(rO_rc); ++r) {
+        const int row = m_start + get<0>(cO_rc(r, 0));
+        if (row < p.t) {
+          ElementO* o_row = o_head + int64_t(row) * p.n * kHeadDim;
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < size<1>(rO_rc); c += 2) {
+            cutlass::AlignedArray<ElementO, 2> pair;
+            pair[0] = rO_rc(r, c);
+            pair[1] = rO_rc(r, c + 1);
+            *reinterpret_cast<cutlass::AlignedArray<ElementO, 2>*>(o_row + get<1>(cO_rc(r, c))) = pair;
+          }
+        }
+      }
     }
 
     if (get<1>(cO_rc(0, 0)) == 0) {  // one thread per quad writes its rows' LSE

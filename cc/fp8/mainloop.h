@@ -96,6 +96,7 @@ struct Fp8ConsumerMainloop {
 
     Tensor tSrS = partition_fragment_C(mma_qk, TileS{});
     Tensor tOrP0 = make_tensor<Element>(partition_shape_A(mma_pv, TileS{}));
+    // Unused (eliminated) without intra-warpgroup overlap.
     Tensor tOrP1 = make_tensor<Element>(partition_shape_A(mma_pv, TileS{}));
     // Factor for O before the next P.V: the first block's is 0 (its running
     // max was -inf) and O is still zero then, so it stays zero.
@@ -134,7 +135,16 @@ struct Fp8ConsumerMainloop {
       ++state_vt;
       pv_in_flight = true;
       pingpong.pass_turn();
-      warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run (it reads p_prev)
+      if constexpr (Traits::kIntraWgOverlap) {
+        warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run (it reads p_prev)
+      } else {
+        // One P buffer (p_prev is p_next): P_{j-1} V_{j-1} retires before
+        // P_j is packed; its V^T stage is free now.
+        warpgroup_wait<0>();
+        pipe_vt.consumer_release(state_vt_busy);
+        ++state_vt_busy;
+        pv_in_flight = false;
+      }
       pipe_k.consumer_release(state_kv);
       ++state_kv;
       if (mask.needs_mask(n)) { mask.apply(tSrS, cS, n); }
@@ -158,11 +168,16 @@ struct Fp8ConsumerMainloop {
       pipe_vt.consumer_release(state_vt);
       ++state_vt;
     };
-    for (--n_block;; n_block -= 2) {
-      if (n_block < mask.n_block_min) { last(tOrP0); break; }
-      block(tOrP0, tOrP1, n_block);
-      if (n_block - 1 < mask.n_block_min) { last(tOrP1); break; }
-      block(tOrP1, tOrP0, n_block - 1);
+    if constexpr (Traits::kIntraWgOverlap) {
+      for (--n_block;; n_block -= 2) {
+        if (n_block < mask.n_block_min) { last(tOrP0); break; }
+        block(tOrP0, tOrP1, n_block);
+        if (n_block - 1 < mask.n_block_min) { last(tOrP1); break; }
+        block(tOrP1, tOrP0, n_block - 1);
+      }
+    } else {
+      for (--n_block; n_block >= mask.n_block_min; --n_block) { block(tOrP0, tOrP0, n_block); }
+      last(tOrP0);
     }
     return vs;
   }

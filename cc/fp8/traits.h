@@ -27,22 +27,37 @@ struct Fp8FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = kFp8BlockM;
   static constexpr int kBlockN = fp8_block_n(HeadDim);
+  // d256 takes 128-key blocks like d64/d128 (fp8_block_n). With 64-key
+  // blocks every block paid the O rescale (64 x 256 FMULs per warpgroup: the
+  // V block scale changes the factor every block) and a ping-pong hand-off
+  // for half the GEMM work; ncu showed the tensor pipe ~37% busy. The price
+  // is registers and shared memory, paid by the three switches below.
+  //
+  // O leaves through shared memory and one TMA store per tile where that
+  // fits (d64 / d128); at d256 its 64 KB of bf16 staging would not fit next
+  // to the 32 KB K/V/V^T stages, so O goes from registers straight to global
+  // (once per tile; the K/V traffic is ~100x larger).
+  static constexpr bool kStageO = HeadDim < 256;
+  // Intra-warpgroup overlap (P.V of block j-1 running under the softmax of
+  // block j) needs a second P buffer and S live next to it. At d256 O alone
+  // is 128 of the 240 registers, S 64 and P 16: one P buffer, and the P.V
+  // GEMM is waited for before packing the next P. The two warpgroups'
+  // ping-pong still hides each one's softmax under the other's GEMMs (at
+  // 128 x 128 x 256 those take longer than the softmax).
+  static constexpr bool kIntraWgOverlap = HeadDim < 256;
   // K and V (as TMA writes it) rings. A K stage is refilled once both
-  // consumer warpgroups have retired the S GEMM that read it, so with 2
-  // stages a K load has about one block of FP8 compute (~1 us at d256, ~1.4
-  // us at d128 at the target rates) to land. d64 / d128 have the shared
-  // memory for a third stage; d256 (64 KB of bf16 O staging) does not.
+  // consumer warpgroups have retired the S GEMM that read it. d64 / d128
+  // have the shared memory for a third stage; d256 does not.
   static constexpr int kStages = HeadDim >= 256 ? 2 : 3;
   // V^T ring. A stage is free again once both warpgroups have retired the
-  // P.V GEMM reading it, which the mainloop waits for only after issuing the
-  // next S GEMM (P.V overlaps the softmax). With 2 stages the transpose of
-  // V_{j+2} waited for that, i.e. sat on the consumers' critical path; with
-  // 4 the transposer runs as far ahead as the K/V ring allows. As many
-  // stages (<= 4) as shared memory holds: 4 for every head dim (d256: 224 KB
-  // with the 64 KB bf16 O buffer).
+  // P.V GEMM reading it, which the overlapped mainloop waits for only after
+  // issuing the next S GEMM. With 2 stages the transpose of V_{j+2} waited
+  // for that, i.e. sat on the consumers' critical path; with 4 the
+  // transposer runs as far ahead as the K/V ring allows. As many stages
+  // (<= 4) as shared memory holds: 4 at d64 / d128, 2 at d256.
   static constexpr int kVtStageBytes = kBlockN * HeadDim;  // e4m3
-  static constexpr int kSmemBytesFixed =
-      kFp8BlockM * HeadDim + 2 * kStages * kVtStageBytes + kFp8BlockM * HeadDim * int(sizeof(ElementO));
+  static constexpr int kSmemBytesFixed = kFp8BlockM * HeadDim + 2 * kStages * kVtStageBytes +
+                                         (kStageO ? kFp8BlockM * HeadDim * int(sizeof(ElementO)) : 0);
   static constexpr int kStagesVt = kSmemBytesFixed + 4 * kVtStageBytes + 1024 <= 227 * 1024 ? 4
                                  : kSmemBytesFixed + 3 * kVtStageBytes + 1024 <= 227 * 1024 ? 3 : 2;
   static constexpr bool kPingPong = true;
@@ -103,11 +118,6 @@ struct Fp8FwdTraits {
   using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
       GMMA::Major::K, ElementO, Int<kBlockM>, Int<kHeadDim>>());
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  static constexpr int kSmemBytesNoO =
-      int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutK> + cosize_v<SmemLayoutVt>) + 1024;
-  static constexpr bool kSeparateO =
-      kSmemBytesNoO + int(sizeof(ElementO)) * cosize_v<SmemLayoutO> <= 227 * 1024;
-  static_assert(kSeparateO, "FP8 tiles are chosen so that O has its own buffer");
 
   using PipelineQ = cutlass::PipelineTmaAsync<1>;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
@@ -118,7 +128,7 @@ struct Fp8FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> vt;
-    cute::array_aligned<ElementO, cute::cosize_v<SmemLayoutO>, 1024> o;
+    cute::array_aligned<ElementO, kStageO ? cute::cosize_v<SmemLayoutO> : 1, kStageO ? 1024 : 16> o;
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineKV::SharedStorage pipe_k;
     typename PipelineKV::SharedStorage pipe_v;

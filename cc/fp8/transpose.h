@@ -59,6 +59,10 @@ struct VTransposer {
   static constexpr int kWarps = Traits::kNumTransposeThreads / 32;
   static constexpr int kSlices = kBlockN / 32;   // k32 slices of P / keys
   static constexpr int kColBlocks = kHeadDim / 16;
+  // Slices loaded before the first store: all of them where the producer has
+  // 40 registers; two (8 words in flight) in d256's 24.
+  static constexpr int kSliceBatch = Traits::kProducerRegs >= 40 ? kSlices : 2;
+  static_assert(kSlices % kSliceBatch == 0);
   // Work unit of a warp: 16 head-dim columns x 32 keys, 4x4 bytes per lane.
   // Lane = (dl: 4-column group, t: quad lane, h: slice half), so both the
   // loads from V (rows key(p), one 16-byte chunk) and the stores into V^T
@@ -114,29 +118,34 @@ struct VTransposer {
       const uint32_t a0 = v_base + (lane.v0 ^ vc);
       const uint32_t a1 = v_base + (lane.v1 ^ vc);
       const uint32_t z = vt_base + (lane.vt ^ vt_off(16 * cb, 0));
-      // All loads of the column block first: one shared-memory latency per
-      // block instead of one per slice (the asm is volatile: no reordering).
-      uint32_t w[kSlices][4];
       CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < kSlices; ++kb) {
-        const uint32_t r0 = v_off(32 * kb, 0), r8 = v_off(32 * kb + 8, 0);  // compile-time
-        w[kb][0] = load(a0 + r0);
-        w[kb][1] = load(a1 + r0);
-        w[kb][2] = load(a0 + r8);
-        w[kb][3] = load(a1 + r8);
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < kSlices; ++kb) {
-        // 4x4 byte transpose: out[i] byte j = w[j] byte i.
-        const uint32_t lo01 = byte_perm(w[kb][0], w[kb][1], 0x5140);
-        const uint32_t hi01 = byte_perm(w[kb][0], w[kb][1], 0x7362);
-        const uint32_t lo23 = byte_perm(w[kb][2], w[kb][3], 0x5140);
-        const uint32_t hi23 = byte_perm(w[kb][2], w[kb][3], 0x7362);
-        // vt_base is 1024-aligned and vt_off(i, 32 kb) < 1024: ^ commutes with it.
-        store(z ^ vt_off(0, 32 * kb), byte_perm(lo01, lo23, 0x5410));
-        store(z ^ vt_off(1, 32 * kb), byte_perm(lo01, lo23, 0x7632));
-        store(z ^ vt_off(2, 32 * kb), byte_perm(hi01, hi23, 0x5410));
-        store(z ^ vt_off(3, 32 * kb), byte_perm(hi01, hi23, 0x7632));
+      for (int kg = 0; kg < kSlices; kg += kSliceBatch) {
+        // All loads of a batch first: one shared-memory latency per batch
+        // instead of one per slice (the asm is volatile: no reordering).
+        uint32_t w[kSliceBatch][4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kSliceBatch; ++i) {
+          const int kb = kg + i;
+          const uint32_t r0 = v_off(32 * kb, 0), r8 = v_off(32 * kb + 8, 0);  // compile-time
+          w[i][0] = load(a0 + r0);
+          w[i][1] = load(a1 + r0);
+          w[i][2] = load(a0 + r8);
+          w[i][3] = load(a1 + r8);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kSliceBatch; ++i) {
+          const int kb = kg + i;
+          // 4x4 byte transpose: out[i] byte j = w[j] byte i.
+          const uint32_t lo01 = byte_perm(w[i][0], w[i][1], 0x5140);
+          const uint32_t hi01 = byte_perm(w[i][0], w[i][1], 0x7362);
+          const uint32_t lo23 = byte_perm(w[i][2], w[i][3], 0x5140);
+          const uint32_t hi23 = byte_perm(w[i][2], w[i][3], 0x7362);
+          // vt_base is 1024-aligned and vt_off(i, 32 kb) < 1024: ^ commutes with it.
+          store(z ^ vt_off(0, 32 * kb), byte_perm(lo01, lo23, 0x5410));
+          store(z ^ vt_off(1, 32 * kb), byte_perm(lo01, lo23, 0x7632));
+          store(z ^ vt_off(2, 32 * kb), byte_perm(hi01, hi23, 0x5410));
+          store(z ^ vt_off(3, 32 * kb), byte_perm(hi01, hi23, 0x7632));
+        }
       }
     }
   }
