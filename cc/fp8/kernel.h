@@ -118,18 +118,22 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       const int t_warp = warp_in_group - 1;
       auto state_v = typename PipelineKV::PipelineState{};
       auto state_vt = cutlass::make_producer_start_state<PipelineVt>();
+      // The V tiles of all this CTA's work, counted first: the transpose loop
+      // then keeps no scheduler or mask state in the producer's registers.
+      int num_v_tiles = 0;
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
         TileMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
                                         min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
-        for (int n_block = mask.n_block_max - 1; n_block >= mask.n_block_min; --n_block) {
-          pipe_v.consumer_wait(state_v);
-          pipe_vt.producer_acquire(state_vt);
-          Transposer::transpose(smem, lane, t_warp, state_v.index(), state_vt.index());
-          pipe_vt.producer_commit(state_vt);
-          pipe_v.consumer_release(state_v);
-          ++state_v;
-          ++state_vt;
-        }
+        num_v_tiles += max(mask.n_block_max - mask.n_block_min, 0);
+      }
+      for (int i = 0; i < num_v_tiles; ++i) {
+        pipe_v.consumer_wait(state_v);
+        pipe_vt.producer_acquire(state_vt);
+        Transposer::transpose(smem, lane, t_warp, state_v.index(), state_vt.index());
+        pipe_vt.producer_commit(state_vt);
+        pipe_v.consumer_release(state_v);
+        ++state_v;
+        ++state_vt;
       }
     }
   } else {

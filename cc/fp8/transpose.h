@@ -59,9 +59,12 @@ struct VTransposer {
   static constexpr int kWarps = Traits::kNumTransposeThreads / 32;
   static constexpr int kSlices = kBlockN / 32;   // k32 slices of P / keys
   static constexpr int kColBlocks = kHeadDim / 16;
-  // Slices loaded before the first store: all of them where the producer has
-  // 40 registers; two (8 words in flight) in d256's 24.
-  static constexpr int kSliceBatch = Traits::kProducerRegs >= 40 ? kSlices : 2;
+  // Slices loaded before the first store. d256 (the consumers' P.V waits on
+  // this warp there): all four, 16 words in flight, which fit in its 24
+  // registers because the transpose loop keeps no scheduler state (kernel.h):
+  // +4% over two slices (H200, b2 t8192). d64 / d128: two; all four measured
+  // 1.4% slower at d128.
+  static constexpr int kSliceBatch = kHeadDim >= 256 ? kSlices : 2;
   static_assert(kSlices % kSliceBatch == 0);
   // Work unit of a warp: 16 head-dim columns x 32 keys, 4x4 bytes per lane.
   // Lane = (dl: 4-column group, t: quad lane, h: slice half), so both the
