@@ -56,7 +56,7 @@ MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
               "heads", "kv_heads", "ms", "tflops", "ratio_vs_cudnn", "iters", "status",
-              "sm_mhz", "power_w")
+              "sm_mhz", "power_w", "clock_reasons")
 
 
 # ---------------------------------------------------------------------------
@@ -87,6 +87,7 @@ class Row:
   status: str = "ok"
   sm_mhz: float | None = None   # --clocks: mean SM clock / board power over the timed runs
   power_w: float | None = None
+  clock_reasons: str = ""       # --clocks: why the clock was below its maximum (share of samples)
 
 
 def attn_flops(batch: int, heads: int, seqlen: int, hdim: int, causal: bool,
@@ -195,7 +196,8 @@ def write_csv(rows: list[Row], path: str) -> None:
                   "" if r.ratio is None else f"{r.ratio:.3f}",
                   r.iters, r.status,
                   "" if r.sm_mhz is None else f"{r.sm_mhz:.0f}",
-                  "" if r.power_w is None else f"{r.power_w:.0f}"])
+                  "" if r.power_w is None else f"{r.power_w:.0f}",
+                  r.clock_reasons])
   os.replace(tmp, path)
 
 
@@ -391,19 +393,39 @@ class RunTimer:
     return (time.perf_counter() - t0) / self.iters
 
 
+# NVML clock-event reason bits (nvidia-smi clocks_event_reasons.active).
+CLOCK_REASONS = {0x1: "idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                 0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal",
+                 0x80: "hw_power_brake", 0x100: "display_clock"}
+
+
+def clock_reason_shares(masks) -> str:
+  """'sw_power_cap:40%;hw_slowdown:5%' from clock-event bitmasks (share of
+  samples with each reason); '' for no samples or no reasons."""
+  masks = [m for m in masks if m is not None]
+  if not masks:
+    return ""
+  out = []
+  for bit, name in CLOCK_REASONS.items():
+    n = sum(1 for m in masks if m & bit)
+    if n:
+      out.append(f"{name}:{100 * n // len(masks)}%")
+  return ";".join(out)
+
+
 class ClockSampler:
-  """Samples the GPU's SM clock and board power with ``nvidia-smi -lms`` while
-  open (``--clocks``): a library that hits the power limit runs at a lower
-  clock than another on the same GPU, which TFLOP/s alone does not show.
-  Yields no samples where nvidia-smi is missing."""
+  """Samples the GPU's SM clock, board power and clock-event reasons with
+  ``nvidia-smi -lms`` while open (``--clocks``): a library that hits the power
+  limit runs at a lower clock than another on the same GPU, which TFLOP/s
+  alone does not show. Yields no samples where nvidia-smi is missing."""
 
   def __init__(self, period_ms: int = 50):
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    self.cmd = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+    self.cmd = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
                 "--format=csv,noheader,nounits", "-lms", str(period_ms),
                 "-i", visible if visible.isdigit() else "0"]
     self.proc = None
-    self.samples: list[tuple[float, float]] = []
+    self.samples: list[tuple[float, float, int | None]] = []
 
   def __enter__(self):
     try:
@@ -425,9 +447,14 @@ class ClockSampler:
     for line in out.splitlines():
       parts = [p.strip() for p in line.split(",")]
       try:
-        self.samples.append((float(parts[0]), float(parts[1])))
+        mhz, watts = float(parts[0]), float(parts[1])
       except (IndexError, ValueError):
         continue
+      try:
+        mask = int(parts[2], 16)
+      except (IndexError, ValueError):
+        mask = None
+      self.samples.append((mhz, watts, mask))
     return False
 
 
@@ -501,7 +528,7 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
   # a drift of the GPU's clock or temperature over the shape's minute of
   # measurements does not favour whichever ran first.
   runs = {key: [] for key in timers}
-  clocks = {key: [] for key in timers}  # (MHz, W) samples, with --clocks
+  clocks = {key: [] for key in timers}  # (MHz, W, reasons) samples, with --clocks
   for _ in range(args.repeats):
     for key, timer in list(timers.items()):
       try:
@@ -535,8 +562,9 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
         samples = clocks.get((impl, "fwd" if m == "fwd" else
                               ("bwd" if args.bwd_timing == "direct" else "fb")), [])
         if samples:
-          row.sm_mhz = statistics.fmean(c for c, _ in samples)
-          row.power_w = statistics.fmean(p for _, p in samples)
+          row.sm_mhz = statistics.fmean(c for c, _, _ in samples)
+          row.power_w = statistics.fmean(p for _, p, _ in samples)
+          row.clock_reasons = clock_reason_shares(r for _, _, r in samples)
         if row.status == "ok":
           row.ms = t * 1e3
           row.tflops = tflops_of(
@@ -546,7 +574,9 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
                 f"s={shape.seqlen:5d} b={shape.batch:2d} h={shape.heads:2d}: "
                 f"{row.ms:8.3f} ms {row.tflops:7.1f} TFLOP/s"
                 + ("" if row.sm_mhz is None else
-                   f"  ({row.sm_mhz:.0f} MHz, {row.power_w:.0f} W)"), flush=True)
+                   f"  ({row.sm_mhz:.0f} MHz, {row.power_w:.0f} W"
+                   + (f", {row.clock_reasons}" if row.clock_reasons else "") + ")"),
+                flush=True)
       rows.append(row)
   del timers, runs, sets
   return rows
@@ -630,8 +660,8 @@ def parse_args(argv=None):
                  help="each timed run lasts at least this long")
   p.add_argument("--max-iters", type=int, default=500)
   p.add_argument("--clocks", action="store_true",
-                 help="sample the SM clock and board power (nvidia-smi) during "
-                      "each timed run; mean per row in results.csv")
+                 help="sample the SM clock, board power and clock-event reasons "
+                      "(nvidia-smi) during each timed run; per row in results.csv")
   p.add_argument("--bwd-timing", choices=("subtract", "direct"), default="subtract",
                  help="backward time: time(forward + backward through jax.vjp) - "
                       "time(forward), or 'direct': the jitted pullback alone, on "
