@@ -58,3 +58,6 @@ def test_fp8_v_transpose_places_every_byte(tmp_path):
   # One line per FP8 head dim, each "ok".
   assert sorted(l.split()[0] for l in lines[:-1]) == ["d128", "d256", "d64"]
   assert all(l.endswith(": ok") for l in lines[:-1])
+  # The bank-conflict count ran: wavefronts per warp instruction, 1 = conflict-free.
+  waves = [float(l.split("per LDS ")[1].split()[0]) for l in lines[:-1]]
+  assert all(1.0 <= w <= 4.0 for w in waves), lines
