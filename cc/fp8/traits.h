@@ -31,7 +31,8 @@ struct Fp8FwdTraits {
   // blocks every block paid the O rescale (64 x 256 FMULs per warpgroup: the
   // V block scale changes the factor every block) and a ping-pong hand-off
   // for half the GEMM work; ncu showed the tensor pipe ~37% busy. The price
-  // is registers and shared memory, paid by the three switches below.
+  // is registers and shared memory, paid by kStageO and kIntraWgOverlap
+  // below (and the transposer's slice batch, transpose.h).
   //
   // O leaves through shared memory and one TMA store per tile where that
   // fits (d64 / d128); at d256 its 64 KB of bf16 staging would not fit next

@@ -138,12 +138,12 @@ struct VTransposer {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kSliceBatch; ++i) {
           const int kb = kg + i;
-          // 4x4 byte transpose: out[i] byte j = w[j] byte i.
+          // 4x4 byte transpose: out[r] byte j = w[i][j] byte r.
           const uint32_t lo01 = byte_perm(w[i][0], w[i][1], 0x5140);
           const uint32_t hi01 = byte_perm(w[i][0], w[i][1], 0x7362);
           const uint32_t lo23 = byte_perm(w[i][2], w[i][3], 0x5140);
           const uint32_t hi23 = byte_perm(w[i][2], w[i][3], 0x7362);
-          // vt_base is 1024-aligned and vt_off(i, 32 kb) < 1024: ^ commutes with it.
+          // vt_base is 1024-aligned and vt_off(r, 32 kb) < 1024: ^ commutes with it.
           store(z ^ vt_off(0, 32 * kb), byte_perm(lo01, lo23, 0x5410));
           store(z ^ vt_off(1, 32 * kb), byte_perm(lo01, lo23, 0x7632));
           store(z ^ vt_off(2, 32 * kb), byte_perm(hi01, hi23, 0x5410));
