@@ -22,7 +22,9 @@ accuracy devices, both on by default and switchable for ablation:
 Scale layout (float32, row-major), one scale per kernel block:
 
 * ``q_scale [B, N, ceil(T / 128)]``: 128 query rows of one head.
-* ``k_scale, v_scale [B, K, ceil(S / block_n)]`` with ``block_n =
+* ``k_scale, v_scale [B, K, ceil(S / block_n)]`` (V's scales powers of two:
+  the kernel folds their ratios into the e4m3 probabilities; other V scales
+  work but round P less well) with ``block_n =
   kv_block_rows(head_dim)`` (128 for every head dim; it was 64 for d 256
   before 2026-11-30): rows of one key/value head.
 
@@ -119,15 +121,20 @@ def _expand_scales(scales, block_rows, s):
 
 
 def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
-                 seed: int = 0, signs=None, per_tensor: bool = False):
+                 seed: int = 0, signs=None, per_tensor: bool = False,
+                 pow2_scales: bool = False):
   """Quantizes ``x [B, S, N, H]`` to e4m3 with FP32 block scales.
 
   Returns ``(x_e4m3 [B, S, N, H] float8_e4m3fn, scales f32 [B, N,
   ceil(S / block_rows)])`` with ``x ~= x_e4m3 * scale`` (after the rotation
   when ``hadamard``).  For the FP8 kernel use ``block_rows = 128`` for Q and
   ``kv_block_rows(H)`` for K and V, the same ``signs`` (or ``seed``) for Q and
-  K, and ``hadamard=False`` for V.  ``per_tensor`` puts the tensor-wide
-  scale in every entry.  An all-zero block gets scale 1.  Pure JAX.
+  K, and ``hadamard=False, pow2_scales=True`` for V.  ``per_tensor`` puts
+  the tensor-wide scale in every entry.  ``pow2_scales`` rounds every scale up
+  to a power of two (the kernel folds V's scale ratios into the e4m3
+  probabilities, exact only for powers of two; e4m3's relative precision does
+  not depend on the scale).  An all-zero block gets scale 1, or the smallest
+  normal float with ``pow2_scales`` (below every real block's).  Pure JAX.
   """
   x = V.as_array(x, "x")
   if x.ndim != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -147,7 +154,12 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
   amax = _block_amax(y, block_rows)
   if per_tensor:
     amax = jnp.full_like(amax, jnp.max(amax))
-  scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(_F32)
+  scales = amax / E4M3_MAX
+  if pow2_scales:
+    mant, expo = jnp.frexp(scales)  # scales = mant * 2^expo, mant in [0.5, 1)
+    scales = jnp.ldexp(jnp.ones_like(scales), jnp.where(mant == 0.5, expo - 1, expo))
+  zero_scale = float(np.finfo(np.float32).tiny) if pow2_scales else 1.0
+  scales = jnp.where(amax > 0, scales, zero_scale).astype(_F32)
   q = jnp.clip(y / _expand_scales(scales, block_rows, x.shape[1]),
                -E4M3_MAX, E4M3_MAX).astype(_E4M3)
   return _pin(q), scales
@@ -170,8 +182,9 @@ def emulate_fp8_attention(q8, k8, v8, q_scale, k_scale, v_scale, *, scale,
                           quantize_p=True):
   """Pure-JAX emulation of the FP8 kernel on quantized inputs: dequantized
   operands, FP32 scores and softmax, P rounded to e4m3 as ``2**8 * exp(s -
-  rowmax)`` (the kernel uses the running max of its key blocks instead of
-  the final one), ``O = P V / sum(P)`` with the FP32 sum.  Dense ``T x S``
+  rowmax)`` (the kernel uses a lazily moved running max of its key blocks
+  instead of the final one, and scales P by the power-of-two ratio of the V
+  block's scale to the tile's largest), ``O = P V / sum(P)`` with the FP32 sum.  Dense ``T x S``
   scores: meant for tests and the accuracy table, not for long sequences.
   Returns ``(out [B, T, N, H] out_dtype, lse f32 [B, N, T])``."""
   b, t, n, h = q8.shape
@@ -293,7 +306,7 @@ def quantize_qkv(q, k, v, *, block_scales=True, hadamard=True, seed=0,
   q8, qs = quantize_fp8(q, block_rows=Q_BLOCK_ROWS, hadamard=hadamard,
                         signs=signs, **kw)
   k8, ks = quantize_fp8(k, block_rows=bn, hadamard=hadamard, signs=signs, **kw)
-  v8, vs = quantize_fp8(v, block_rows=bn, **kw)
+  v8, vs = quantize_fp8(v, block_rows=bn, pow2_scales=True, **kw)
   return q8, k8, v8, qs, ks, vs
 
 

@@ -221,3 +221,22 @@ def test_fp8_emulation_pins_its_e4m3_roundings(monkeypatch):
   q = jnp.ones((1, 8, 1, 64), jnp.bfloat16)
   hlo = jax.jit(lambda q: jax_fa3.attention(q, q, q, precision="fp8")).lower(q).as_text()
   assert hlo.count("optimization_barrier") >= 4, hlo.count("optimization_barrier")
+
+
+def test_quantize_pow2_scales():
+  # V's scales: the smallest power of two >= amax / 448 (the kernel folds V's
+  # scale ratios into P); an all-zero block gets the smallest normal float.
+  x = _normal(5, (2, 300, 2, 64)).at[:, :128, 1].set(0)
+  x8, sc = jax_fa3.quantize_fp8(x, block_rows=128, pow2_scales=True)
+  _, exact = jax_fa3.quantize_fp8(x, block_rows=128)
+  sc, exact = np.asarray(sc), np.asarray(exact)
+  zero = np.zeros_like(sc, bool)
+  zero[:, 1, 0] = True
+  assert np.all(sc[zero] == np.finfo(np.float32).tiny)
+  lg = np.log2(sc[~zero])
+  assert np.all(lg == np.round(lg))
+  assert np.all(sc[~zero] >= exact[~zero]) and np.all(sc[~zero] < 2 * exact[~zero])
+  deq = np.asarray(x8, np.float32) * np.repeat(np.swapaxes(sc, 1, 2), 128, axis=1)[:, :300, :, None]
+  xf = np.asarray(x, np.float32)
+  scale_b = np.repeat(np.swapaxes(sc, 1, 2), 128, axis=1)[:, :300, :, None]
+  assert np.all(np.abs(deq - xf) <= np.abs(xf) * 2.0 ** -4 + scale_b * 2.0 ** -9)

@@ -71,6 +71,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     t.heads = int(dims[2]);
     t.block_rows = i == 0 ? block_q : block_kv;
     t.hadamard = hadamard != 0 && i < 2;  // V: block scales only
+    t.pow2 = i == 2;  // V: power-of-two scales (the kernel folds their ratios into P)
     t.fixed_scale = per_tensor ? fixed_scales.typed_data() + i : nullptr;
     if (t.block_rows <= 0 ||
         (*scales[i])->element_count() != size_t(p.b * t.heads * ceil_div(t.seq, t.block_rows))) {

@@ -5,9 +5,10 @@
 // V arrives through the transposer's pipeline.
 //
 // Block scales: S_true = S * qs * ks_j enters softmax as one factor per block
-// (Fp8OnlineSoftmax). O is accumulated in units of the current V block's
-// scale: before adding P_j V_j the accumulator is rescaled by
-// correction_j * vs_{j-1} / vs_j, and finalize multiplies by the last vs.
+// (Fp8OnlineSoftmax). O is accumulated in units of the tile's largest V block
+// scale vs_ref: P_j is scaled by vs_j / vs_ref before its e4m3 cast, and
+// finalize multiplies by vs_ref. O is rescaled only when a warp's running
+// max moved (Fp8OnlineSoftmax::max_and_exp).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -102,8 +103,14 @@ struct Fp8ConsumerMainloop {
     // max was -inf) and O is still zero then, so it stays zero.
     float correction[kRows];
 
+    // vs_ref: the largest V scale among the tile's blocks (P_j carries the
+    // ratio vs_j / vs_ref <= 1, so P stays within e4m3's range).
+    float vs_ref = 0.f;
+    for (int n = mask.n_block_min; n < mask.n_block_max; ++n) { vs_ref = fmaxf(vs_ref, v_scale[n]); }
+    const float log2_vs_ref = __log2f(vs_ref);
+    bool rescale_o = false;  // warp-uniform: the last softmax moved this warp's max
+
     int n_block = mask.n_block_max - 1;
-    float vs = v_scale[n_block];
     {
       const float ks = k_scale[n_block];
       pipe_k.consumer_wait(state_kv);
@@ -114,7 +121,8 @@ struct Fp8ConsumerMainloop {
       pipe_k.consumer_release(state_kv);
       ++state_kv;
       if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
-      softmax.max_and_exp(tSrS, q_to_log2 * ks, correction);
+      // O is still zero: its first rescale is moot.
+      softmax.max_and_exp(tSrS, q_to_log2 * ks, __log2f(v_scale[n_block]) - log2_vs_ref, correction);
       pack_p_fp8(tSrS, tOrP0);
     }
 
@@ -123,13 +131,13 @@ struct Fp8ConsumerMainloop {
     // One K/V block: p_prev holds the previous block's P, p_next receives this one's.
     auto block = [&](auto& p_prev, auto& p_next, int n) {
       const float ks_next = k_scale[n];
-      const float vs_next = v_scale[n];
+      const float v_log2 = __log2f(v_scale[n]) - log2_vs_ref;
       pipe_k.consumer_wait(state_kv);
       pingpong.wait_turn();
       warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
       warpgroup_wait<1>();  // the previous P.V retired (S_j may run): O is free
       if (pv_in_flight) { pipe_vt.consumer_release(state_vt_busy); ++state_vt_busy; }
-      Softmax::rescale(acc_o, correction);
+      if (rescale_o) { Softmax::rescale(acc_o, correction); }
       pipe_vt.consumer_wait(state_vt);
       warpgroup_gemm<false, -1>(mma_pv, p_prev, tOrV(_, _, _, state_vt.index()), acc_o);
       ++state_vt;
@@ -148,18 +156,14 @@ struct Fp8ConsumerMainloop {
       pipe_k.consumer_release(state_kv);
       ++state_kv;
       if (mask.needs_mask(n)) { mask.apply(tSrS, cS, n); }
-      softmax.max_and_exp(tSrS, q_to_log2 * ks_next, correction);
-      const float v_ratio = vs / vs_next;
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) { correction[r] *= v_ratio; }
+      rescale_o = softmax.max_and_exp(tSrS, q_to_log2 * ks_next, v_log2, correction);
       pack_p_fp8(tSrS, p_next);
-      vs = vs_next;
     };
     // The last block's P.V.
     auto last = [&](auto& p_last) {
       warpgroup_wait<0>();
       if (pv_in_flight) { pipe_vt.consumer_release(state_vt_busy); ++state_vt_busy; }
-      Softmax::rescale(acc_o, correction);
+      if (rescale_o) { Softmax::rescale(acc_o, correction); }
       pipe_vt.consumer_wait(state_vt);
       pingpong.wait_turn();
       warpgroup_gemm<false, -1>(mma_pv, p_last, tOrV(_, _, _, state_vt.index()), acc_o);
@@ -179,7 +183,7 @@ struct Fp8ConsumerMainloop {
       for (--n_block; n_block >= mask.n_block_min; --n_block) { block(tOrP0, tOrP0, n_block); }
       last(tOrP0);
     }
-    return vs;
+    return vs_ref;
   }
 };
 

@@ -4,6 +4,7 @@
 // butterflies with stride < kD / 32 inside a lane, the rest across lanes with
 // shuffles. The block's rotated values stay in registers between the amax
 // reduction and the quantization, so the input is read once.
+#include <cfloat>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -95,9 +96,21 @@ quantize_kernel(const QuantParams p, int blocks0, int blocks1) {
   #pragma unroll
   for (int w = 1; w < kWarps; ++w) { amax = fmaxf(amax, warp_amax[w]); }
 
-  // An all-zero block gets scale 1, never 0: the attention kernel divides by
-  // neighbouring V scales.
-  const float scale = qt.fixed_scale ? *qt.fixed_scale : (amax > 0.f ? amax / kE4M3Max : 1.f);
+  // Never 0 (x / scale below). pow2 (V): the smallest power of two >= amax /
+  // 448, and an all-zero block gets FLT_MIN, below every real block, because
+  // the kernel scales P by v_scale / (largest V scale of the tile).
+  float scale;
+  if (qt.fixed_scale) {
+    scale = *qt.fixed_scale;
+  } else if (!(amax > 0.f)) {
+    scale = qt.pow2 ? FLT_MIN : 1.f;
+  } else if (qt.pow2) {
+    int e;
+    const float m = frexpf(amax / kE4M3Max, &e);  // amax / 448 = m * 2^e, m in [0.5, 1)
+    scale = ldexpf(1.f, m == 0.5f ? e - 1 : e);
+  } else {
+    scale = amax / kE4M3Max;
+  }
   const float inv = 1.f / scale;
   if (threadIdx.x == 0) { qt.scales[(int64_t(batch) * qt.heads + head) * num_rb + rb] = scale; }
 

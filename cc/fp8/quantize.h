@@ -9,7 +9,7 @@ namespace jax_fa3 {
 
 // One tensor [b, seq, heads, d] to quantize in blocks of `block_rows` rows of
 // one head: scales[b, heads, ceil(seq / block_rows)] = amax / 448 of the
-// (rotated) block, out = e4m3(x / scale).
+// (rotated) block (or that rounded up to a power of two), out = e4m3(x / scale).
 struct QuantTensor {
   const void* x = nullptr;
   void* out = nullptr;     // e4m3, same shape
@@ -17,6 +17,10 @@ struct QuantTensor {
   int seq = 0, heads = 0, block_rows = 0;
   bool hadamard = false;   // rotate rows by diag(signs) * H_d / sqrt(d) first
   const float* fixed_scale = nullptr;  // non-null: per-tensor mode, use *fixed_scale
+  // Scales rounded up to a power of two, an all-zero block FLT_MIN (V: the
+  // kernel folds V's scale ratios into P, exact only for powers of two; see
+  // cc/fp8/mainloop.h). Otherwise amax / 448, an all-zero block 1.
+  bool pow2 = false;
 };
 
 // Up to three tensors (Q, K, V) in one launch: the pre-pass reads each once.
