@@ -52,6 +52,15 @@ CUTE_HOST_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
 #endif
 }
 
+// The compiler may assume nothing about x's value after this (device only).
+CUTE_HOST_DEVICE void opaque(uint32_t& x) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" : "+r"(x));
+#else
+  (void)x;
+#endif
+}
+
 template <class Traits>
 struct VTransposer {
   static constexpr int kBlockN = Traits::kBlockN;
@@ -108,55 +117,87 @@ struct VTransposer {
                     cosize_v<LayoutVt> % (1024 * Traits::kStagesVt) == 0,
                 "stage bases must be 1024-byte aligned");
 
-  // The column blocks of one warp (warp in [0, kWarps)) between stage bases
-  // v_base / vt_base (shared addresses, 1024-aligned). Host-callable with
-  // other load/store functors for the address check.
+  // Column blocks over the warps. kColBlocks (4 / 8 / 16) does not divide by
+  // 3 warps, and the warps run decoupled through the rings, so a fixed split
+  // leaves one warp a block more on every tile (6 / 5 / 5 at d256, where the
+  // transposer bounds the kernel). kRotate: the caller rotates `share` per
+  // tile, and the block loop is unrolled with a warp-uniform skip, so its
+  // layout offsets are compile-time constants. H200, b2 t8192, kernel-only:
+  // d256 1019 -> 1082 TFLOP/s (rotation with the runtime loop: 1057;
+  // unrolled without rotation: 1024); at d64 / d128 both lost 1-4%.
+  static constexpr bool kRotate = kHeadDim >= 256;
+
+  // Column blocks share, share + kWarps, ... (share in [0, kWarps), warp-
+  // uniform) between stage bases v_base / vt_base (shared addresses,
+  // 1024-aligned). Host-callable with other load/store functors for the
+  // address check.
 #pragma nv_exec_check_disable
   template <class Load, class Store>
-  CUTE_HOST_DEVICE static void transpose_blocks(const Lane& lane, int warp, uint32_t v_base,
+  CUTE_HOST_DEVICE static void transpose_blocks(const Lane& lane, int share, uint32_t v_base,
                                                 uint32_t vt_base, Load&& load, Store&& store) {
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int cb = warp; cb < kColBlocks; cb += kWarps) {
-      const uint32_t vc = v_off(0, 16 * cb);
-      const uint32_t a0 = v_base + (lane.v0 ^ vc);
-      const uint32_t a1 = v_base + (lane.v1 ^ vc);
-      const uint32_t z = vt_base + (lane.vt ^ vt_off(16 * cb, 0));
+    if constexpr (kRotate) {
       CUTLASS_PRAGMA_UNROLL
-      for (int kg = 0; kg < kSlices; kg += kSliceBatch) {
-        // All loads of a batch first: one shared-memory latency per batch
-        // instead of one per slice (the asm is volatile: no reordering).
-        uint32_t w[kSliceBatch][4];
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kSliceBatch; ++i) {
-          const int kb = kg + i;
-          const uint32_t r0 = v_off(32 * kb, 0), r8 = v_off(32 * kb + 8, 0);  // compile-time
-          w[i][0] = load(a0 + r0);
-          w[i][1] = load(a1 + r0);
-          w[i][2] = load(a0 + r8);
-          w[i][3] = load(a1 + r8);
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kSliceBatch; ++i) {
-          const int kb = kg + i;
-          // 4x4 byte transpose: out[r] byte j = w[i][j] byte r.
-          const uint32_t lo01 = byte_perm(w[i][0], w[i][1], 0x5140);
-          const uint32_t hi01 = byte_perm(w[i][0], w[i][1], 0x7362);
-          const uint32_t lo23 = byte_perm(w[i][2], w[i][3], 0x5140);
-          const uint32_t hi23 = byte_perm(w[i][2], w[i][3], 0x7362);
-          // vt_base is 1024-aligned and vt_off(r, 32 kb) < 1024: ^ commutes with it.
-          store(z ^ vt_off(0, 32 * kb), byte_perm(lo01, lo23, 0x5410));
-          store(z ^ vt_off(1, 32 * kb), byte_perm(lo01, lo23, 0x7632));
-          store(z ^ vt_off(2, 32 * kb), byte_perm(hi01, hi23, 0x5410));
-          store(z ^ vt_off(3, 32 * kb), byte_perm(hi01, hi23, 0x7632));
-        }
+      for (int cb = 0; cb < kColBlocks; ++cb) {
+        if (cb % kWarps != share) { continue; }
+        // Opaque copies: otherwise ptxas computes every block's addresses up
+        // front and spills them (860 B at d256, in the producer's 24 registers).
+        Lane l = lane;
+        opaque(l.v0); opaque(l.v1); opaque(l.vt);
+        column_block(l, cb, v_base, vt_base, load, store);
+      }
+    } else {
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int cb = share; cb < kColBlocks; cb += kWarps) {
+        column_block(lane, cb, v_base, vt_base, load, store);
       }
     }
   }
 
-  // One V tile: stage indices of the V and V^T rings.
-  CUTE_DEVICE static void transpose(typename Traits::SharedStorage& smem, const Lane& lane, int warp,
+  // One column block: 16 head-dim columns x kBlockN keys.
+#pragma nv_exec_check_disable
+  template <class Load, class Store>
+  CUTE_HOST_DEVICE static void column_block(const Lane& lane, int cb, uint32_t v_base,
+                                            uint32_t vt_base, Load& load, Store& store) {
+    const uint32_t vc = v_off(0, 16 * cb);
+    const uint32_t a0 = v_base + (lane.v0 ^ vc);
+    const uint32_t a1 = v_base + (lane.v1 ^ vc);
+    const uint32_t z = vt_base + (lane.vt ^ vt_off(16 * cb, 0));
+    CUTLASS_PRAGMA_UNROLL
+    for (int kg = 0; kg < kSlices; kg += kSliceBatch) {
+      // All loads of a batch first: one shared-memory latency per batch
+      // instead of one per slice (the asm is volatile: no reordering).
+      uint32_t w[kSliceBatch][4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kSliceBatch; ++i) {
+        const int kb = kg + i;
+        const uint32_t r0 = v_off(32 * kb, 0), r8 = v_off(32 * kb + 8, 0);  // compile-time
+        w[i][0] = load(a0 + r0);
+        w[i][1] = load(a1 + r0);
+        w[i][2] = load(a0 + r8);
+        w[i][3] = load(a1 + r8);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kSliceBatch; ++i) {
+        const int kb = kg + i;
+        // 4x4 byte transpose: out[r] byte j = w[i][j] byte r.
+        const uint32_t lo01 = byte_perm(w[i][0], w[i][1], 0x5140);
+        const uint32_t hi01 = byte_perm(w[i][0], w[i][1], 0x7362);
+        const uint32_t lo23 = byte_perm(w[i][2], w[i][3], 0x5140);
+        const uint32_t hi23 = byte_perm(w[i][2], w[i][3], 0x7362);
+        // vt_base is 1024-aligned and vt_off(r, 32 kb) < 1024: ^ commutes with it.
+        store(z ^ vt_off(0, 32 * kb), byte_perm(lo01, lo23, 0x5410));
+        store(z ^ vt_off(1, 32 * kb), byte_perm(lo01, lo23, 0x7632));
+        store(z ^ vt_off(2, 32 * kb), byte_perm(hi01, hi23, 0x5410));
+        store(z ^ vt_off(3, 32 * kb), byte_perm(hi01, hi23, 0x7632));
+      }
+    }
+  }
+
+  // One V tile: stage indices of the V and V^T rings; share: which column
+  // blocks this warp takes (transpose_blocks; rotated per tile if kRotate).
+  CUTE_DEVICE static void transpose(typename Traits::SharedStorage& smem, const Lane& lane, int share,
                                     int v_stage, int vt_stage) {
-    transpose_blocks(lane, warp,
+    transpose_blocks(lane, share,
                      cute::cast_smem_ptr_to_uint(smem.v.data()) + v_stage_off(v_stage),
                      cute::cast_smem_ptr_to_uint(smem.vt.data()) + vt_stage_off(vt_stage),
                      [](uint32_t addr) { return lds32(addr); },
