@@ -201,6 +201,23 @@ def write_csv(rows: list[Row], path: str) -> None:
   os.replace(tmp, path)
 
 
+def read_csv(path: str) -> list[Row]:
+  """The rows of a results.csv written by write_csv (for --replot)."""
+  def num(x, cast=float):
+    return None if x == "" else cast(x)
+  rows = []
+  with open(path, newline="") as f:
+    for d in csv.DictReader(f):
+      heads, kv_heads = int(d["heads"]), int(d["kv_heads"])
+      shape = Shape(int(d["hdim"]), d["causal"] == "1", int(d["seqlen"]),
+                    int(d["batch"]), heads, heads // kv_heads)
+      rows.append(Row(d["impl"], d["mode"], d["dtype"], shape, num(d["ms"]),
+                      num(d["tflops"]), num(d["ratio_vs_cudnn"]),
+                      int(d["iters"] or 0), d["status"], num(d.get("sm_mhz", "")),
+                      num(d.get("power_w", "")), d.get("clock_reasons", "")))
+  return rows
+
+
 def pyplot():
   """matplotlib.pyplot on the Agg backend, or None (tables work without it)."""
   try:
@@ -652,6 +669,9 @@ def parse_args(argv=None):
   p.add_argument("--dry-run", action="store_true",
                  help="print the planned configs and FLOPs; no GPU work")
   p.add_argument("--no-plot", action="store_true")
+  p.add_argument("--replot", metavar="CSV",
+                 help="no measuring: print the table of a results.csv and plot it "
+                      "to --out/bench.png (e.g. for a run made with --no-plot)")
   p.add_argument("--rotate", type=int, default=3,
                  help="number of input sets calls rotate over")
   p.add_argument("--warmup", type=int, default=3)
@@ -687,6 +707,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.replot:
+    rows = read_csv(args.replot)
+    print(format_table(rows, markdown=args.markdown))
+    os.makedirs(args.out, exist_ok=True)
+    return 0 if plot(rows, os.path.join(args.out, "bench.png"),
+                     title=f"{os.path.basename(os.path.dirname(os.path.abspath(args.replot)))}") else 1
   shapes = plan(args.seqlens, args.hdims, args.causals, args.tokens,
                 args.hidden, args.group)
 

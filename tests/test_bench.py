@@ -52,3 +52,28 @@ def test_clock_sampler_parses_nvidia_smi(tmp_path, monkeypatch):
   assert (1830.0, 450.25, 4) in sampler.samples
   assert (1980.0, 300.0, None) in sampler.samples
   assert all(len(s) == 3 for s in sampler.samples)
+
+
+def test_results_csv_round_trip_and_replot(tmp_path):
+  b = _bench()
+  shape = b.Shape(128, True, 8192, 2, 16, 4)
+  rows = [b.Row("fa3", "fwd", "bfloat16", shape, 1.5, 700.0, None, 40, "ok", 1800.0, 450.0,
+                "sw_power_cap:100%"),
+          b.Row("cudnn", "fwd", "bfloat16", shape, 1.65, 636.4, None, 38),
+          b.Row("cudnn", "bwd", "bfloat16", shape, status="OOM")]
+  b.fill_ratios(rows)
+  path = tmp_path / "run" / "results.csv"
+  b.write_csv(rows, str(path))
+  back = b.read_csv(str(path))
+  key = lambda r: (r.impl, r.mode)  # noqa: E731
+  for want, got in zip(sorted(rows, key=key), sorted(back, key=key)):
+    assert (got.impl, got.mode, got.dtype, got.shape, got.iters, got.status, got.clock_reasons) == (
+        want.impl, want.mode, want.dtype, want.shape, want.iters, want.status, want.clock_reasons)
+    for a, c in ((got.ms, want.ms), (got.tflops, want.tflops), (got.ratio, want.ratio),
+                 (got.sm_mhz, want.sm_mhz)):
+      assert (a is None) == (c is None) and (a is None or abs(a - c) <= 5e-3 * abs(c))
+  assert abs(next(r for r in back if r.impl == "fa3").ratio - 700.0 / 636.4) < 1e-3
+  out = tmp_path / "plot"
+  rc = b.main(["--replot", str(path), "--out", str(out)])
+  if b.pyplot() is not None:  # the plot needs matplotlib; the table does not
+    assert rc == 0 and (out / "bench.png").stat().st_size > 1000
