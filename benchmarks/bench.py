@@ -203,8 +203,8 @@ def write_csv(rows: list[Row], path: str) -> None:
 
 def read_csv(path: str) -> list[Row]:
   """The rows of a results.csv written by write_csv (for --replot)."""
-  def num(x, cast=float):
-    return None if x == "" else cast(x)
+  def num(x):
+    return None if x == "" else float(x)
   rows = []
   with open(path, newline="") as f:
     for d in csv.DictReader(f):
@@ -711,8 +711,8 @@ def main(argv=None) -> int:
     rows = read_csv(args.replot)
     print(format_table(rows, markdown=args.markdown))
     os.makedirs(args.out, exist_ok=True)
-    return 0 if plot(rows, os.path.join(args.out, "bench.png"),
-                     title=f"{os.path.basename(os.path.dirname(os.path.abspath(args.replot)))}") else 1
+    title = os.path.basename(os.path.dirname(os.path.abspath(args.replot)))  # the run's folder
+    return 0 if plot(rows, os.path.join(args.out, "bench.png"), title=title) else 1
   shapes = plan(args.seqlens, args.hdims, args.causals, args.tokens,
                 args.hidden, args.group)
 

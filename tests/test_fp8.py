@@ -236,7 +236,7 @@ def test_quantize_pow2_scales():
   lg = np.log2(sc[~zero])
   assert np.all(lg == np.round(lg))
   assert np.all(sc[~zero] >= exact[~zero]) and np.all(sc[~zero] < 2 * exact[~zero])
-  deq = np.asarray(x8, np.float32) * np.repeat(np.swapaxes(sc, 1, 2), 128, axis=1)[:, :300, :, None]
-  xf = np.asarray(x, np.float32)
   scale_b = np.repeat(np.swapaxes(sc, 1, 2), 128, axis=1)[:, :300, :, None]
+  deq = np.asarray(x8, np.float32) * scale_b
+  xf = np.asarray(x, np.float32)
   assert np.all(np.abs(deq - xf) <= np.abs(xf) * 2.0 ** -4 + scale_b * 2.0 ** -9)
