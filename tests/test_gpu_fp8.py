@@ -142,22 +142,24 @@ CORE_CASES = [
 ]
 
 
-@needs_kernel
-@pytest.mark.parametrize("h", DIMS)
-@pytest.mark.parametrize("case", CORE_CASES, ids=str)
-def test_fp8_kernel_core(h, case):
+def _check_kernel_core(h, case, q, k, v, v_scales="pow2"):
+  """attention_fp8 on quantized q, k, v against float64 attention of the
+  dequantized inputs (module docstring). v_scales: "pow2" (what quantize_qkv
+  gives V) or "amax" (plain amax / 448 block scales, which a caller of
+  attention_fp8 may pass)."""
   B, T, S, N, K, causal, window, ql, kl = case
   dtype = "bfloat16"
-  q, k, v = make_inputs(seed_of(h, case), B, T, S, N, K, h, dtype)
   q8, k8, v8, qs, ks, vs = _quant_jit(q, k, v, block_scales=True, hadamard=True,
                                       seed=0, use_kernel=True)
+  bn = fp8.kv_block_rows(h)
+  if v_scales == "amax":
+    v8, vs = fp8.quantize_fp8(v, block_rows=bn)
   q_lens = np.array(ql if ql else [T] * B, np.int32)
   kv_lens = np.array(kl if kl else [S] * B, np.int32)
   f = jax.jit(lambda *a: jax_fa3.attention_fp8(
       *a[:6], query_seq_lengths=a[6], key_value_seq_lengths=a[7],
       is_causal=causal, local_window_size=window, implementation="fa3"))
   out = np.asarray(f(q8, k8, v8, qs, ks, vs, q_lens, kv_lens)).astype(np.float32)
-  bn = fp8.kv_block_rows(h)
   qd, kd, vd = _dequant(q8, qs, 128), _dequant(k8, ks, bn), _dequant(v8, vs, bn)
   wl, wr = _window(causal, window)
   refs = attention_refs(qd, kd, vd, q_lens, kv_lens, causal=causal,
@@ -172,6 +174,30 @@ def test_fp8_kernel_core(h, case):
       _maxerr(out, ref64), _maxerr(emu, ref64))
   assert _rmse(out, ref64) <= 2 * _rmse(emu, ref64) + 2e-4, (
       _rmse(out, ref64), _rmse(emu, ref64))
+
+
+@needs_kernel
+@pytest.mark.parametrize("h", DIMS)
+@pytest.mark.parametrize("case", CORE_CASES, ids=str)
+@pytest.mark.parametrize("v_scales", ["pow2", "amax"])
+def test_fp8_kernel_core(h, case, v_scales):
+  B, T, S, N, K = case[:5]
+  q, k, v = make_inputs(seed_of(h, case), B, T, S, N, K, h, "bfloat16")
+  _check_kernel_core(h, case, q, k, v, v_scales)
+
+
+@needs_kernel
+@pytest.mark.parametrize("h", DIMS)
+def test_fp8_kernel_core_zero_v_block_next_to_large_v(h):
+  """An all-zero 128-row V block (its power-of-two scale is FLT_MIN) in a
+  tile whose largest V block scale is 4 or more (|V| up to ~3000): the
+  kernel's un-scaling of that block's probability sum, 2^-log2(FLT_MIN / 4),
+  overflowed float32 before it was clamped (mainloop.h)."""
+  case = (1, 300, 640, 2, 2, False, None, None, None)
+  q, k, v = make_inputs(seed_of(h, "zero-v-block"), 1, 300, 640, 2, 2, h, "bfloat16")
+  v = v.astype(np.float32) * 1000
+  v[:, 128:256] = 0
+  _check_kernel_core(h, case, q, k, v.astype(np_dtype("bfloat16")))
 
 
 @pytest.mark.parametrize("h", DIMS)

@@ -108,6 +108,12 @@ struct Fp8ConsumerMainloop {
     float vs_ref = 0.f;
     for (int n = mask.n_block_min; n < mask.n_block_max; ++n) { vs_ref = fmaxf(vs_ref, v_scale[n]); }
     const float log2_vs_ref = __log2f(vs_ref);
+    // log2(vs_j / vs_ref), clamped at -100: an all-zero V block has scale
+    // FLT_MIN (quantize.cu), and with vs_ref >= 4 the softmax's un-scaling
+    // factor 2^-v_log2 would overflow to inf (times a flushed-to-zero block
+    // sum: NaN). A block 2^100 below the tile's largest adds nothing visible
+    // to O either way; the clamp only keeps the arithmetic finite.
+    auto v_log2_of = [&](int n) { return fmaxf(__log2f(v_scale[n]) - log2_vs_ref, -100.f); };
     bool rescale_o = false;  // warp-uniform: the last softmax moved this warp's max
 
     int n_block = mask.n_block_max - 1;
@@ -122,7 +128,7 @@ struct Fp8ConsumerMainloop {
       ++state_kv;
       if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block); }
       // O is still zero: its first rescale is moot.
-      softmax.max_and_exp(tSrS, q_to_log2 * ks, __log2f(v_scale[n_block]) - log2_vs_ref, correction);
+      softmax.max_and_exp(tSrS, q_to_log2 * ks, v_log2_of(n_block), correction);
       pack_p_fp8(tSrS, tOrP0);
     }
 
@@ -131,7 +137,7 @@ struct Fp8ConsumerMainloop {
     // One K/V block: p_prev holds the previous block's P, p_next receives this one's.
     auto block = [&](auto& p_prev, auto& p_next, int n) {
       const float ks_next = k_scale[n];
-      const float v_log2 = __log2f(v_scale[n]) - log2_vs_ref;
+      const float v_log2 = v_log2_of(n);
       pipe_k.consumer_wait(state_kv);
       pingpong.wait_turn();
       warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
