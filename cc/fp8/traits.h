@@ -78,10 +78,12 @@ struct Fp8FwdTraits {
   // pool: the producer's release (168 - P) * 128 must cover the consumers'
   // raise (C - 168) * 256, i.e. P + 2 C <= 504. (Session 2 had 48/232 and
   // 32/240, 512: the consumers' setmaxnreg.inc waited forever for 1024
-  // registers -- the GPU hang.) d256 takes the forward's 24/240; below it
-  // 40/232 (the transposer spilled some loop state at 40).
-  static constexpr int kProducerRegs = HeadDim >= 256 ? 24 : 40;
-  static constexpr int kConsumerRegs = HeadDim >= 256 ? 240 : 232;
+  // registers -- the GPU hang.) d128 / d256 take the forward's 24/240: at
+  // d128 +1-2% over 40/232 (H200, kernel-only A/B, session 10; the producer's
+  // few spills sit in the TMA thread's code, none in the transpose loop).
+  // d64 keeps 40/232 (not measured at 24; it spills 48 B there).
+  static constexpr int kProducerRegs = HeadDim >= 128 ? 24 : 40;
+  static constexpr int kConsumerRegs = HeadDim >= 128 ? 240 : 232;
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <=
                     (65536 / kNumThreads) / 8 * 8 * kNumThreads,
