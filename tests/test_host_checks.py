@@ -49,6 +49,10 @@ def test_bwd_tile_order_is_a_permutation(tmp_path):
   # All three orders were exercised, and some plans split the last wave.
   assert {l.split("order=")[1].split()[0] for l in lines[:-1]} == {"0", "1", "2"}
   assert {l.split("pieces=")[1].split()[0] for l in lines[:-1]} - {"1"}
+  # The default chunk width depends on the working set (chunk_for): 32 for
+  # short sequences, 128 for long ones (and the override widths 5 and 128).
+  chunks = {l.split("chunk=")[1].split()[0] for l in lines[:-1]}
+  assert chunks == {"5", "32", "128"}, chunks
 
 
 def test_fp8_v_transpose_places_every_byte(tmp_path):

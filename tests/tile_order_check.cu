@@ -17,13 +17,14 @@ int main() {
   int failures = 0;
   for (int s : seqs) {
     for (const auto& hb : heads) {
-      for (int mode = 0; mode < 3; ++mode) for (int sms : {0, 132, 7}) {
+      for (int mode = 0; mode < 3; ++mode) for (int sms : {0, 132, 7}) for (int chunk : {0, 5, 128}) {
         BwdParams p;
         p.s = s; p.t = s; p.kh = hb[0]; p.b = hb[1]; p.n = hb[0];
+        p.d = 256; p.num_sms = sms;  // long sequences take wider chunks (chunk_for)
         p.window_left = -1;
         p.window_right = mode == 0 ? -1 : 0;  // non-causal / causal
         p.deterministic = mode == 2;
-        BwdTileOrder order = BwdTileOrder::make(p, 128, false);
+        BwdTileOrder order = BwdTileOrder::make(p, 128, false, chunk);  // 0: the default width
         const int max_slots = 100;
         if (!p.deterministic) { order.plan_split(sms, (s + 63) / 64, max_slots); }
         std::vector<int> seen(size_t(order.num_n) * order.num_hb, 0);
@@ -45,9 +46,9 @@ int main() {
             if (t.piece > 0) { continue; }
           }
           if (order.order == BwdTileOrder::kLongestFirst) {
-            const int chunk = t.n_block / BwdTileOrder::kChunk;  // chunks never go back
-            monotone &= chunk >= prev_chunk;
-            prev_chunk = chunk;
+            const int c = t.n_block / order.chunk;  // chunks never go back
+            monotone &= c >= prev_chunk;
+            prev_chunk = c;
           } else if (order.order == BwdTileOrder::kDescending) {
             monotone &= prev_n[hbi] < 0 || t.n_block < prev_n[hbi];
           } else {
@@ -56,7 +57,7 @@ int main() {
           prev_n[hbi] = t.n_block;
         }
         for (int c : seen) { ok &= c == order.pieces; }
-        std::printf("s=%d kh=%d b=%d sms=%d order=%d pieces=%d ok=%d monotone=%d\n", s, p.kh, p.b, sms, order.order,
+        std::printf("s=%d kh=%d b=%d sms=%d chunk=%d order=%d pieces=%d ok=%d monotone=%d\n", s, p.kh, p.b, sms, order.chunk, order.order,
                     order.pieces, int(ok), int(monotone));
         failures += !(ok && monotone);
       }

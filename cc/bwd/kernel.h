@@ -157,6 +157,14 @@ inline bool head_major_only() {
   }();
   return v;
 }
+// A/B knob: JAX_FA3_BWD_CHUNK=<key blocks> sets the longest-first chunk width.
+inline int chunk_override() {
+  static const int v = [] {
+    const char* e = std::getenv("JAX_FA3_BWD_CHUNK");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  return v;
+}
 
 // Host launcher for one instantiation.
 template <class Element, int HeadDim>
@@ -174,7 +182,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(p.semaphore, 0,
                                     sizeof(int32_t) * size_t(p.b) * p.n * (p.t_pad / kBwdBlockM), stream);
   if (err != cudaSuccess) { return err; }
-  BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN, head_major_only());
+  BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN, head_major_only(), chunk_override());
   constexpr int64_t kSplitSlotFloats = 2 * int64_t(Traits::kBlockN) * HeadDim;
   if (Traits::kSplitTail && p.split_tail && !p.deterministic && p.dkv_split != nullptr) {
     const int64_t slots = (p.dkv_split_floats - kBwdMaxSplitUnits) / kSplitSlotFloats;

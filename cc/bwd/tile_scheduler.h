@@ -4,7 +4,7 @@
 //    in flight share that head's Q, dO and dQ accumulator in L2.
 //  - longest first, for causal-like masks without determinism (key block j
 //    visits about T - j * kBlockN query rows, so low blocks are the long
-//    ones): chunks of kChunk key blocks, every head's chunk 0 first, then
+//    ones): chunks of `chunk` key blocks, every head's chunk 0 first, then
 //    chunk 1, ...; head-major inside a chunk, so the CTAs in flight still
 //    share a few heads. Head-major alone started the last head's longest
 //    blocks near the end of the grid (a tail of up to one such block: at GQA
@@ -31,23 +31,42 @@ struct BwdTile {
 
 struct BwdTileOrder {
   enum : int { kHeadMajor = 0, kDescending = 1, kLongestFirst = 2 };
-  // Key blocks per chunk: with at most ~132 CTAs in flight, about four heads'
-  // Q/dO/dQ working sets are live at once (a 16k head's fp32 dQ is 8 MB).
-  static constexpr int kChunk = 32;
+  // Key blocks per chunk (longest first). With one CTA per SM, about
+  // sms / chunk KV heads are in flight, each reading and adding into its
+  // query heads' Q, dO and fp32 dQ (8 bytes per row and head-dim column: 16
+  // MB per head at d128 16k). chunk_for keeps 32 while that working set fits
+  // in kL2Budget (the H200 has 60 MB of L2), else takes kWideChunk.
+  // H200, kernel-only, causal, 300-1000 back-to-back calls (at the 700 W
+  // cap), TFLOP/s: d128 8k (4 heads x 8 MB) 487 at 32, 483 at 64 or 128;
+  // d128 16k (4 x 16 MB) 514 at 32 or 64, 523 at 128; d256 8k 415 at 64,
+  // 423-424 at 128 or 256; d256 16k 438 at 128, 435 at 256; d128 32k 535 at
+  // 128, 537 at 256; d128 4k and d64 16k equal at 32 / 64 / 128.
+  // JAX_FA3_BWD_CHUNK overrides it (kernel.h).
+  static constexpr int kDefaultChunk = 32, kWideChunk = 128;
+  static constexpr double kL2Budget = 40.0 * (1 << 20);
+  static int chunk_for(const BwdParams& p) {
+    const double head_bytes = double(p.t) * (p.n / p.kh) * p.d * (2 + 2 + 4);  // Q, dO (16-bit), dQ fp32
+    const int sms = p.num_sms > 0 ? p.num_sms : 132;
+    return double(sms) / kDefaultChunk * head_bytes <= kL2Budget ? kDefaultChunk : kWideChunk;
+  }
   // A split share should keep several query blocks: each CTA also pays for
   // the K/V load, the fp32 combine and the epilogue (shares of 5 blocks made
   // d128 at 1k 1.4% slower on the H200).
   static constexpr int kMaxPieces = 8, kMinBlocksPerPiece = 8;
   int order, num_n, num_hb, kh;
+  int chunk = kDefaultChunk;
   int split_from = 0x7fffffff, pieces = 1;  // units >= split_from run as `pieces` CTAs each
 
-  // head_major_only: the A/B knob (JAX_FA3_BWD_ORDER=head).
-  static BwdTileOrder make(const BwdParams& p, int block_n, bool head_major_only) {
+  // head_major_only: the A/B knob (JAX_FA3_BWD_ORDER=head); chunk_override
+  // (> 0): key blocks per longest-first chunk instead of chunk_for's
+  // (JAX_FA3_BWD_CHUNK).
+  static BwdTileOrder make(const BwdParams& p, int block_n, bool head_major_only, int chunk_override = 0) {
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
     const int order = (p.deterministic && p.window_right >= 0) ? kDescending
                       : (causal_like && !head_major_only)      ? kLongestFirst
                                                                : kHeadMajor;
     BwdTileOrder o{order, (p.s + block_n - 1) / block_n, p.kh * p.b, p.kh};
+    o.chunk = chunk_override > 0 ? chunk_override : chunk_for(p);
     o.split_from = o.num_units();
     return o;
   }
@@ -88,12 +107,12 @@ struct BwdTileOrder {
     }
     int n, hb;
     if (order == kLongestFirst) {
-      const int per_chunk = kChunk * num_hb;
-      const int chunk = unit / per_chunk;  // all chunks but the last are full
-      const int width = min(kChunk, num_n - chunk * kChunk);
-      const int r = unit - chunk * per_chunk;
+      const int per_chunk = chunk * num_hb;
+      const int c = unit / per_chunk;  // all chunks but the last are full
+      const int width = min(chunk, num_n - c * chunk);
+      const int r = unit - c * per_chunk;
       hb = r / width;
-      n = chunk * kChunk + r % width;
+      n = c * chunk + r % width;
     } else {
       hb = unit / num_n;
       n = unit % num_n;
