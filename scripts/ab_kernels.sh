@@ -9,8 +9,10 @@
 # and on the device (carry .carry/cutlass and .carry/x):
 #   DRIVER=fp8 HD="128 256" bash scripts/ab_kernels.sh .carry/x -- 2,8192,8,256,0 2,8192,16,128,0
 # DRIVER: fwd (default), bwd or fp8; HD: head dims to build; REPS: timing
-# rounds (2); EXTRA_FLAGS: extra nvcc flags for every build. Logs go to
-# $OUT/ab (default /tmp/jax_fa3_out/ab).
+# rounds (2); ITERS: back-to-back calls per timing (the drivers' default, 20,
+# is a burst at the boost clock; 300-1000 measure the sustained, power-capped
+# state that JAX-level runs see, RESULTS.md session 11); EXTRA_FLAGS: extra
+# nvcc flags for every build. Logs go to $OUT/ab (default /tmp/jax_fa3_out/ab).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRIVER=${DRIVER:-fwd}; HD=${HD:-128}; REPS=${REPS:-2}
@@ -42,7 +44,7 @@ for rep in $(seq "$REPS"); do
   for s in "${shapes[@]}"; do
     for entry in "${bins[@]}"; do
       i=${entry%%:*}; bin=${entry#*:}
-      echo "$s tree $i: $("$bin" --time "$s" 2>&1 | grep -E 'ms|TFLOP' | tail -1)"
+      echo "$s tree $i: $("$bin" --time "$s" ${ITERS:+--iters $ITERS} 2>&1 | grep -E 'ms|TFLOP' | tail -1)"
     done
   done
 done | tee "$L/timing.txt"
