@@ -733,7 +733,11 @@ def main(argv=None) -> int:
     return 0
 
   env = environment(with_jax=True)
-  header = header_line(env) + f" | dtype={args.dtype_name}"
+  # The timing regime goes with every table: on an H200 the runs' length
+  # decides whether they see the boost clock or the 700 W cap (RESULTS.md,
+  # session 11), which moves the backward's ratio to cuDNN by up to 5%.
+  header = (header_line(env) + f" | dtype={args.dtype_name} | min_run_ms={args.min_run_ms:g}"
+            f" | repeats={args.repeats} | bwd_timing={args.bwd_timing}")
   print(header, flush=True)
   if env.get("platform") not in ("gpu", "cuda"):
     print(f"warning: default device platform is {env.get('platform')!r}; "
