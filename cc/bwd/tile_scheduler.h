@@ -35,19 +35,27 @@ struct BwdTileOrder {
   // sms / chunk KV heads are in flight, each reading and adding into its
   // query heads' Q, dO and fp32 dQ (8 bytes per row and head-dim column: 16
   // MB per head at d128 16k). chunk_for keeps 32 while that working set fits
-  // in kL2Budget (the H200 has 60 MB of L2), else takes kWideChunk.
+  // in kL2Budget (the H200 has 60 MB of L2), else takes kWideChunk -- but
+  // only with at least kWideMinUnitsPerSm key blocks per SM. A chunk as wide
+  // as a head makes the order head-major again, so the last heads' longest
+  // key blocks start late. A causal key block 0 is about 2 sms / units of an
+  // SM's share of the work (units: key blocks x KV heads x batch, so a GQA
+  // group makes fewer, longer ones): 13% in the measured MHA cases below,
+  // but 52% at GQA 16/4 8k d128, where that tail would cost far more than
+  // L2 saves (not measured).
   // H200, kernel-only, causal, 300-1000 back-to-back calls (at the 700 W
   // cap), TFLOP/s: d128 8k (4 heads x 8 MB) 487 at 32, 483 at 64 or 128;
   // d128 16k (4 x 16 MB) 514 at 32 or 64, 523 at 128; d256 8k 415 at 64,
   // 423-424 at 128 or 256; d256 16k 438 at 128, 435 at 256; d128 32k 535 at
   // 128, 537 at 256; d128 4k and d64 16k equal at 32 / 64 / 128.
   // JAX_FA3_BWD_CHUNK overrides it (kernel.h).
-  static constexpr int kDefaultChunk = 32, kWideChunk = 128;
+  static constexpr int kDefaultChunk = 32, kWideChunk = 128, kWideMinUnitsPerSm = 15;
   static constexpr double kL2Budget = 40.0 * (1 << 20);
-  static int chunk_for(const BwdParams& p) {
+  static int chunk_for(const BwdParams& p, int num_units) {
     const double head_bytes = double(p.t) * (p.n / p.kh) * p.d * (2 + 2 + 4);  // Q, dO (16-bit), dQ fp32
     const int sms = p.num_sms > 0 ? p.num_sms : 132;
-    return double(sms) / kDefaultChunk * head_bytes <= kL2Budget ? kDefaultChunk : kWideChunk;
+    const bool overflows_l2 = double(sms) / kDefaultChunk * head_bytes > kL2Budget;
+    return overflows_l2 && num_units >= kWideMinUnitsPerSm * sms ? kWideChunk : kDefaultChunk;
   }
   // A split share should keep several query blocks: each CTA also pays for
   // the K/V load, the fp32 combine and the epilogue (shares of 5 blocks made
@@ -66,7 +74,7 @@ struct BwdTileOrder {
                       : (causal_like && !head_major_only)      ? kLongestFirst
                                                                : kHeadMajor;
     BwdTileOrder o{order, (p.s + block_n - 1) / block_n, p.kh * p.b, p.kh};
-    o.chunk = chunk_override > 0 ? chunk_override : chunk_for(p);
+    o.chunk = chunk_override > 0 ? chunk_override : chunk_for(p, o.num_units());
     o.split_from = o.num_units();
     return o;
   }
