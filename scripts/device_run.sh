@@ -85,10 +85,15 @@ for stage in "$@"; do
           --time $((16384 / t)),$t,$((2048 / d)),$d,$c ${BWD_TIMING_ARGS:-}  # e.g. "--deterministic 1"
       done; done; done 2>&1 | tee "$OUT/bwd_timing.log" ;;
     ablation) python3 benchmarks/ablation.py --out "$OUT/ablation" 2>&1 | tee "$OUT/ablation.log" | tail -20 ;;
-    bench)  # JAX's default allocator: with PREALLOCATE=false XLA's per-call scratch allocation
-      # starves the GPU between back-to-back fa3 backward calls (RESULTS.md, session 7)
+    bench)  # JAX's default allocator: PREALLOCATE=false costs the fa3 backward 35-45 us per call
+      # (RESULTS.md, session 11; session 7 measured 1.6 ms with older jax)
       env -u XLA_PYTHON_CLIENT_PREALLOCATE python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 \
         | tee "$OUT/bench.log" | tail -60 ;;
+    steady)  # the sweep in the power-capped steady state: 1 s timed runs, clocks and power per row
+      # (RESULTS.md, session 11: 100 ms runs and 1 s runs disagree by up to 5% on the backward)
+      env -u XLA_PYTHON_CLIENT_PREALLOCATE python3 benchmarks/bench.py --modes fwd,bwd --seqlens 1024,2048,4096,8192,16384 \
+        --repeats 2 --min-run-ms 1000 --max-iters 5000 --clocks --markdown ${STEADY_ARGS:-} --out "$OUT/steady" 2>&1 \
+        | tee "$OUT/steady.log" | grep -E "^\| (fa3|cudnn)" | head -130 ;;
     fp8check)  # FP8 pre-pass + kernel vs host float64, without XLA (cc/tools/fp8_check.cc); then timings.
       # Every launch is bracketed by flushed "[fp8_check]" lines and a 10 s host watchdog (exit 3, "HANG in ...").
       { timeout 60 build-dev/jax_fa3_fp8_check --stage prepass --watchdog 10; echo "prepass rc=$?"
