@@ -63,6 +63,20 @@ int main() {
       }
     }
   }
+  // The default chunk width on the benchmark's shapes (16k tokens, hidden
+  // 2048, 132 SMs, causal) and on a GQA one: "rule <name> chunk=<width>".
+  struct RuleCase { const char* name; int b, t, n, kh, d, block_n; };
+  const RuleCase rules[] = {
+      {"d128_8k", 2, 8192, 16, 16, 128, 128},  {"d128_16k", 1, 16384, 16, 16, 128, 128},
+      {"d256_4k", 4, 4096, 8, 8, 256, 64},     {"d256_8k", 2, 8192, 8, 8, 256, 64},
+      {"d64_16k", 1, 16384, 32, 32, 64, 128},  {"gqa16_4_d128_8k", 2, 8192, 16, 4, 128, 128},
+  };
+  for (const RuleCase& r : rules) {
+    BwdParams p;
+    p.b = r.b; p.t = p.s = r.t; p.n = r.n; p.kh = r.kh; p.d = r.d; p.num_sms = 132;
+    p.window_left = -1; p.window_right = 0;
+    std::printf("rule %s chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n, false).chunk);
+  }
   std::printf("failures=%d\n", failures);
   return failures != 0;
 }
