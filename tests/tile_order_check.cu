@@ -24,7 +24,8 @@ int main() {
         p.window_left = -1;
         p.window_right = mode == 0 ? -1 : 0;  // non-causal / causal
         p.deterministic = mode == 2;
-        BwdTileOrder order = BwdTileOrder::make(p, 128, false, chunk);  // 0: the default width
+        p.chunk = chunk;  // 0: the default width (chunk_for)
+        BwdTileOrder order = BwdTileOrder::make(p, 128);
         const int max_slots = 100;
         if (!p.deterministic) { order.plan_split(sms, (s + 63) / 64, max_slots); }
         std::vector<int> seen(size_t(order.num_n) * order.num_hb, 0);
@@ -75,7 +76,7 @@ int main() {
     BwdParams p;
     p.b = r.b; p.t = p.s = r.t; p.n = r.n; p.kh = r.kh; p.d = r.d; p.num_sms = 132;
     p.window_left = -1; p.window_right = 0;
-    std::printf("rule %s chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n, false).chunk);
+    std::printf("rule %s chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n).chunk);
   }
   std::printf("failures=%d\n", failures);
   return failures != 0;

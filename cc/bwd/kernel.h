@@ -8,8 +8,6 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
-#include <cstdlib>
-#include <cstring>
 
 #include "params.h"
 #include "traits.h"
@@ -148,24 +146,6 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
 #endif
 }
 
-// A/B knob: JAX_FA3_BWD_ORDER=head keeps causal-like runs head-major
-// (tile_scheduler.h), for timing the longest-first order against it.
-inline bool head_major_only() {
-  static const bool v = [] {
-    const char* e = std::getenv("JAX_FA3_BWD_ORDER");
-    return e != nullptr && std::strcmp(e, "head") == 0;
-  }();
-  return v;
-}
-// A/B knob: JAX_FA3_BWD_CHUNK=<key blocks> sets the longest-first chunk width.
-inline int chunk_override() {
-  static const int v = [] {
-    const char* e = std::getenv("JAX_FA3_BWD_CHUNK");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
-  return v;
-}
-
 // Host launcher for one instantiation.
 template <class Element, int HeadDim>
 cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
@@ -182,7 +162,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(p.semaphore, 0,
                                     sizeof(int32_t) * size_t(p.b) * p.n * (p.t_pad / kBwdBlockM), stream);
   if (err != cudaSuccess) { return err; }
-  BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN, head_major_only(), chunk_override());
+  BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN);
   constexpr int64_t kSplitSlotFloats = 2 * int64_t(Traits::kBlockN) * HeadDim;
   if (Traits::kSplitTail && p.split_tail && !p.deterministic && p.dkv_split != nullptr) {
     const int64_t slots = (p.dkv_split_floats - kBwdMaxSplitUnits) / kSplitSlotFloats;

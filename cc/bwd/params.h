@@ -65,6 +65,12 @@ struct BwdParams {
   // sum of more than two partials depends on their order). JAX_FA3_BWD_SPLIT=0
   // turns it off for A/B runs.
   bool split_tail = true;
+  // Dispatch order of causal-like runs (tile_scheduler.h), A/B knobs:
+  // head_major_only keeps them head-major (JAX_FA3_BWD_ORDER=head); chunk > 0
+  // sets the longest-first chunk width in key blocks (JAX_FA3_BWD_CHUNK),
+  // 0 lets BwdTileOrder::chunk_for pick it.
+  bool head_major_only = false;
+  int chunk = 0;
   int num_sms = 0;
 };
 

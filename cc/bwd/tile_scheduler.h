@@ -48,7 +48,7 @@ struct BwdTileOrder {
   // d128 16k (4 x 16 MB) 514 at 32 or 64, 523 at 128; d256 8k 415 at 64,
   // 423-424 at 128 or 256; d256 16k 438 at 128, 435 at 256; d128 32k 535 at
   // 128, 537 at 256; d128 4k and d64 16k equal at 32 / 64 / 128.
-  // JAX_FA3_BWD_CHUNK overrides it (kernel.h).
+  // BwdParams::chunk (JAX_FA3_BWD_CHUNK) overrides it.
   static constexpr int kDefaultChunk = 32, kWideChunk = 128, kWideMinUnitsPerSm = 15;
   static constexpr double kL2Budget = 40.0 * (1 << 20);
   static int chunk_for(const BwdParams& p, int num_units) {
@@ -65,16 +65,14 @@ struct BwdTileOrder {
   int chunk = kDefaultChunk;
   int split_from = 0x7fffffff, pieces = 1;  // units >= split_from run as `pieces` CTAs each
 
-  // head_major_only: the A/B knob (JAX_FA3_BWD_ORDER=head); chunk_override
-  // (> 0): key blocks per longest-first chunk instead of chunk_for's
-  // (JAX_FA3_BWD_CHUNK).
-  static BwdTileOrder make(const BwdParams& p, int block_n, bool head_major_only, int chunk_override = 0) {
+  // The A/B knobs p.head_major_only and p.chunk (params.h) apply here.
+  static BwdTileOrder make(const BwdParams& p, int block_n) {
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
     const int order = (p.deterministic && p.window_right >= 0) ? kDescending
-                      : (causal_like && !head_major_only)      ? kLongestFirst
+                      : (causal_like && !p.head_major_only)    ? kLongestFirst
                                                                : kHeadMajor;
     BwdTileOrder o{order, (p.s + block_n - 1) / block_n, p.kh * p.b, p.kh};
-    o.chunk = chunk_override > 0 ? chunk_override : chunk_for(p, o.num_units());
+    o.chunk = p.chunk > 0 ? p.chunk : chunk_for(p, o.num_units());
     o.split_from = o.num_units();
     return o;
   }

@@ -39,10 +39,28 @@ bool split_tail() {
   return on;
 }
 
+// A/B switches for the dispatch order of causal-like runs (BwdParams::head_major_only, ::chunk).
+bool head_major_only() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAX_FA3_BWD_ORDER");
+    return v != nullptr && std::strcmp(v, "head") == 0;
+  }();
+  return on;
+}
+int chunk_width() {
+  static const int width = [] {
+    const char* v = std::getenv("JAX_FA3_BWD_CHUNK");
+    return v != nullptr ? std::atoi(v) : 0;
+  }();
+  return width;
+}
+
 // The knobs and the device facts the handler and the XLA-free entry both fill in.
 void apply_env_knobs(BwdParams& p) {
   p.dq_atomic = dq_atomic();
   p.split_tail = split_tail();
+  p.head_major_only = head_major_only();
+  p.chunk = chunk_width();
   if (p.num_sms == 0) { p.num_sms = sm_count(); }
 }
 

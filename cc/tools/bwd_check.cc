@@ -274,17 +274,8 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
 int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, int iters) {
   const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, right = ts.causal ? 0 : -1;
   Buffers m = alloc(b, t, t, n, n, d);
-  // One random stream, q/k/v/dO read from it at offsets that are not
-  // multiples of d: products of their rows pair distinct samples (as
-  // independent inputs would), at a quarter of the host RNG time.
-  const size_t shift = 997;
-  std::vector<uint16_t> host(m.nq() + 3 * shift);
   NormalRng rng(7);
-  fill_normal(host, rng, bf16);
-  int i = 0;
-  for (void* p : {m.q, m.k, m.v, m.dout}) {
-    CHECK_CUDA(cudaMemcpy(p, host.data() + shift * i++, m.nq() * 2, cudaMemcpyHostToDevice));
-  }
+  check_util::fill_device_normal({m.q, m.k, m.v, m.dout}, m.nq(), rng, bf16);
   std::vector<int32_t> lens(b, t);
   CHECK_CUDA(cudaMemcpy(m.ql, lens.data(), b * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.kl, lens.data(), b * 4, cudaMemcpyHostToDevice));

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <thread>
@@ -76,6 +77,22 @@ struct NormalRng {
 // N(0,1) samples rounded to bf16 or fp16.
 inline void fill_normal(std::vector<uint16_t>& v, NormalRng& rng, bool bf16) {
   for (auto& x : v) x = to_half(rng(), bf16);
+}
+
+// Timing inputs: the device buffers dst (n 16-bit elements each) get N(0,1)
+// samples from one random stream, buffer i read at offset 997 i. The offsets
+// are not multiples of any head dim, so products of rows of different
+// buffers pair distinct samples (as independent inputs would), at
+// 1 / dst.size() of the host RNG time. Random rather than constant data
+// matters: an H200's power, so its clock under the 700 W cap, depends on it.
+inline void fill_device_normal(std::initializer_list<void*> dst, size_t n, NormalRng& rng, bool bf16) {
+  const size_t shift = 997;
+  std::vector<uint16_t> host(n + shift * (dst.size() - 1));
+  fill_normal(host, rng, bf16);
+  size_t i = 0;
+  for (void* p : dst) {
+    CHECK_CUDA(cudaMemcpy(p, host.data() + shift * i++, n * 2, cudaMemcpyHostToDevice));
+  }
 }
 
 // Per-batch query / key lengths of a check case: the full lengths, or (lens)

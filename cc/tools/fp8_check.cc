@@ -295,20 +295,12 @@ int time_shape(int b, int t, int n, int d, bool causal, int iters) {
   Case c{b, t, t, n, n, causal, false};
   Buffers m = alloc(c, d);
   const size_t nq = size_t(b) * t * n * d;
-  // Random normal Q/K/V and signs, as the JAX benchmarks use: an H200's
-  // power (so its clock under the 700 W cap) depends on the data. The
-  // constant fill used before (the pre-pass then made Q and K one-hot rows)
-  // timed the kernel 2-3% faster (b2 t8192: d128 836 vs 815-818 TFLOP/s,
-  // d256 1098 vs 1070-1074). One random stream read at offsets that are not
-  // multiples of d, as bwd_check does.
-  const size_t shift = 997;
-  std::vector<uint16_t> host(nq + 2 * shift);
+  // Random Q/K/V and signs, as the JAX benchmarks use. The constant fill
+  // used before (the pre-pass then made Q and K one-hot rows) timed the
+  // kernel 2-3% faster (b2 t8192: d128 836 vs 815-818 TFLOP/s, d256 1098 vs
+  // 1070-1074).
   NormalRng rng(7);
-  check_util::fill_normal(host, rng, true);
-  int i = 0;
-  for (void* ptr : {m.q, m.k, m.v}) {
-    CHECK_CUDA(cudaMemcpy(ptr, host.data() + shift * i++, nq * 2, cudaMemcpyHostToDevice));
-  }
+  check_util::fill_device_normal({m.q, m.k, m.v}, nq, rng, true);
   std::vector<float> signs(d);
   for (auto& x : signs) x = (rng.gen() & 1) ? 1.f : -1.f;
   std::vector<int32_t> lq(b, t);
