@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """FP8 forward speed (issue 5), same process and inputs for every row.
 
-Rows per shape: ``fp8-kernel`` (the FP8 forward on pre-quantized e4m3 inputs
-+ scales: the kernel alone), ``fp8+prepass`` (``attention(precision="fp8")``:
-the fused quantize pre-pass + the kernel), ``fp8-prepass`` (the pre-pass
-alone), ``bf16`` (our bf16 kernel) and ``cudnn`` (jax.nn's cuDNN path, bf16).
+Rows per shape: ``fp8-kernel`` (the FP8 forward that ``precision="fp8"``
+runs, on pre-quantized e4m3 inputs + scales with V^T from the pre-pass: the
+kernel alone), ``fp8-kernel-xposeV`` (the FP8 forward of ``attention_fp8``,
+V as [B, S, K, H] transposed in shared memory by the kernel: alone),
+``fp8+prepass`` (``attention(precision="fp8")``: the fused quantize pre-pass +
+the kernel), ``fp8-prepass`` (the pre-pass alone), ``bf16`` (our bf16 kernel)
+and ``cudnn`` (jax.nn's cuDNN path, bf16).
 Shapes: the FA3-paper sweep (16k tokens, hidden 2048) at seqlen >= 4k, head
 dims 128 and 256, causal off/on.  FLOPs ``4 b h s^2 d`` (/2 causal) for every
 row (also for the pre-pass rows, so TFLOP/s are comparable).  Timing:
@@ -45,11 +48,18 @@ def main(argv=None):
         b, h = max(1, bench.TOTAL_TOKENS // s), bench.HIDDEN // hd
         shape = bench.Shape(hdim=hd, causal=causal, seqlen=s, batch=b, heads=h)
         sets = bench.make_inputs(shape, jnp.bfloat16, args.rotate)
-        quant = jax.jit(lambda q, k, v: fp8.quantize_qkv(q, k, v, use_kernel=True))
+        quant = jax.jit(lambda q, k, v: fp8.quantize_qkv(q, k, v, use_kernel=True,
+                                                          v_transposed=True))
+        quant_x = jax.jit(lambda q, k, v: fp8.quantize_qkv(q, k, v, use_kernel=True))
         qsets = [quant(*x[:3]) for x in sets]
+        qsets_x = [quant_x(*x[:3]) for x in sets]
+        wr = 0 if causal else -1
         fns = {
-            "fp8-kernel": (jax.jit(lambda *a, c=causal: jax_fa3.attention_fp8(
-                *a, is_causal=c, implementation="fa3")), qsets),
+            "fp8-kernel": (jax.jit(lambda *a, wr=wr: fp8._fp8_core(
+                *a, None, None, hd ** -0.5, -1, wr, jnp.bfloat16, "fa3",
+                v_transposed=True)[0]), qsets),
+            "fp8-kernel-xposeV": (jax.jit(lambda *a, c=causal: jax_fa3.attention_fp8(
+                *a, is_causal=c, implementation="fa3")), qsets_x),
             "fp8+prepass": (jax.jit(lambda q, k, v, c=causal: jax_fa3.attention(
                 q, k, v, is_causal=c, precision="fp8", implementation="fa3")),
                             [x[:3] for x in sets]),

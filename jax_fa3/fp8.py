@@ -31,6 +31,14 @@ Scale layout (float32, row-major), one scale per kernel block:
 A dequantized value is ``e4m3 value * scale``.  :func:`quantize_fp8` produces
 exactly this layout; :func:`attention_fp8` consumes it (e.g. an FP8 KV cache).
 
+V's layout.  FP8 WGMMA reads V only as V^T (key index contiguous).
+:func:`attention_fp8` takes V as ``[B, S, K, H]`` and its kernel transposes
+every V tile in shared memory.  ``precision="fp8"`` instead has the pre-pass,
+which writes V anyway, write it as V^T ``[B, K, H, S padded to 128]`` (keys
+permuted inside each 32-key slice to match the P registers, padding zero):
+the same HBM traffic, and the kernel then loads V^T tiles with TMA and skips
+the transpose (H200, kernel alone: d256 +18%, d128 +5%; benchmarks/RESULTS.md).
+
 Gradients: ``jax.grad`` through ``precision="fp8"`` is straight-through: the
 backward is the ordinary (bf16/fp16) attention backward evaluated at the
 original, unquantized inputs.
@@ -262,44 +270,79 @@ def _scale_shape(b, heads, seq, rows):
   return (b, heads, -(-seq // rows))
 
 
-def _quantize_kernel(q, k, v, signs, fixed, hadamard):
+def _vt_shape(b, s, kh, h):
+  """Shape of V^T as the pre-pass writes it for the "vt" kernel
+  (cc/fp8/params.h): keys padded to whole kernel blocks."""
+  bn = kv_block_rows(h)
+  return (b, kh, h, -(-s // bn) * bn)
+
+
+def vt_key_order(block_n: int = 128) -> np.ndarray:
+  """Key held by each position of one V^T block (``vt_key_of`` in
+  cc/fp8/params.h): within each 32-key slice, position ``16 h + 4 t + i``
+  holds key ``16 h + 8 (i // 2) + 2 t + i % 2``."""
+  p = np.arange(block_n)
+  return ((p & ~31) + 16 * ((p & 31) // 16) + 8 * ((p % 4) // 2)
+          + 2 * ((p % 16) // 4) + p % 2)
+
+
+def to_vt_layout(v8):
+  """e4m3 V ``[B, S, K, H]`` -> the V^T layout ``[B, K, H, S_pad]`` the
+  pre-pass writes for ``precision="fp8"`` (module docstring).  Pure JAX; for
+  tests."""
+  b, s, kh, h = v8.shape
+  sp = _vt_shape(b, s, kh, h)[-1]
+  bn = kv_block_rows(h)
+  keys = (np.arange(sp) // bn) * bn + vt_key_order(bn)[np.arange(sp) % bn]
+  vp = jnp.pad(v8, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+  return jnp.transpose(vp[:, keys], (0, 2, 3, 1))
+
+
+def _quantize_kernel(q, k, v, signs, fixed, hadamard, v_transposed=False):
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   bn = kv_block_rows(h)
   sds = jax.ShapeDtypeStruct
-  shapes = (sds(q.shape, _E4M3), sds(k.shape, _E4M3), sds(v.shape, _E4M3),
+  v_shape = _vt_shape(b, s, kh, h) if v_transposed else v.shape
+  shapes = (sds(q.shape, _E4M3), sds(k.shape, _E4M3), sds(v_shape, _E4M3),
             sds(_scale_shape(b, n, t, Q_BLOCK_ROWS), _F32),
             sds(_scale_shape(b, kh, s, bn), _F32),
             sds(_scale_shape(b, kh, s, bn), _F32))
   return jax.ffi.ffi_call(QUANT_TARGET, shapes, vmap_method="sequential")(
       q, k, v, signs, fixed, block_q=np.int32(Q_BLOCK_ROWS),
-      block_kv=np.int32(bn), hadamard=np.int32(bool(hadamard)))
+      block_kv=np.int32(bn), hadamard=np.int32(bool(hadamard)),
+      v_transposed=np.int32(bool(v_transposed)))
 
 
 def _fwd_kernel(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
-                out_dtype):
+                out_dtype, v_transposed=False):
   b, t, n, h = q8.shape
   sds = jax.ShapeDtypeStruct
   shapes = (sds(q8.shape, out_dtype), sds((b, n, t), _F32))
   return jax.ffi.ffi_call(FWD_TARGET, shapes, vmap_method="sequential")(
       q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale=np.float32(scale),
-      window_left=np.int32(wl), window_right=np.int32(wr))
+      window_left=np.int32(wl), window_right=np.int32(wr),
+      v_transposed=np.int32(bool(v_transposed)))
 
 
 def quantize_qkv(q, k, v, *, block_scales=True, hadamard=True, seed=0,
-                 use_kernel=False):
+                 use_kernel=False, v_transposed=False):
   """Q, K, V -> (q8, k8, v8, q_scale, k_scale, v_scale) in the kernel's
-  block layout; Q and K share the rotation, V gets scales only."""
+  block layout; Q and K share the rotation, V gets scales only.
+  ``v_transposed`` (with ``use_kernel``): v8 in the V^T layout of the module
+  docstring, for ``_fp8_core(..., v_transposed=True)``."""
+  if v_transposed and not use_kernel:
+    raise ValueError("v_transposed needs use_kernel=True (the pre-pass kernel)")
   h = q.shape[-1]
   if hadamard:
     _check_head_dim_pow2(h)
   signs = hadamard_signs(h, seed) if hadamard else jnp.ones((h,), _F32)
   if use_kernel:
     none = jnp.zeros((0,), _F32)
-    out = _quantize_kernel(q, k, v, signs, none, hadamard)
+    out = _quantize_kernel(q, k, v, signs, none, hadamard, v_transposed)
     if not block_scales:  # a second pass with the tensor-wide scales
       fixed = jnp.stack([jnp.max(out[3]), jnp.max(out[4]), jnp.max(out[5])])
-      out = _quantize_kernel(q, k, v, signs, fixed, hadamard)
+      out = _quantize_kernel(q, k, v, signs, fixed, hadamard, v_transposed)
     return out
   bn = kv_block_rows(h)
   kw = dict(per_tensor=not block_scales)
@@ -367,17 +410,22 @@ def attention_fp8(query, key, value, q_scale, k_scale, v_scale, *,
 
 
 def _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
-              out_dtype, implementation):
+              out_dtype, implementation, v_transposed=False):
+  """``v_transposed``: v8 is V^T from ``quantize_qkv(..., use_kernel=True,
+  v_transposed=True)``; kernel path only."""
   b, t, n, h = q8.shape
   s = k8.shape[1]
   blocker = fp8_kernel_blocker(out_dtype, h)
+  if v_transposed and (implementation == "reference" or blocker is not None):
+    raise ValueError("a V^T operand needs the FP8 kernel: "
+                     f"{blocker or 'implementation=reference'}")
   if implementation == "fa3" and blocker is not None:
     raise ValueError(f"implementation='fa3' is not possible: {blocker}")
   if implementation != "reference" and blocker is None:
     ql = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens
     kl = jnp.full((b,), s, jnp.int32) if kv_lens is None else kv_lens
     return _fwd_kernel(q8, k8, v8, qs, ks, vs, ql, kl, scale, wl, wr,
-                       out_dtype)
+                       out_dtype, v_transposed)
   return emulate_fp8_attention(q8, k8, v8, qs, ks, vs, scale=scale,
                                q_lens=q_lens, kv_lens=kv_lens, window_left=wl,
                                window_right=wr, out_dtype=out_dtype)
@@ -414,11 +462,12 @@ def fp8_attention(q, k, v, q_lens, kv_lens, *, scale, softcap, wl, wr,
   impl = "fa3" if use_kernel else "reference"
 
   def forward(q, k, v):
+    # The kernel path has the pre-pass write V^T (module docstring).
     q8, k8, v8, qs, ks, vs = quantize_qkv(
         q, k, v, block_scales=block_scales, hadamard=hadamard, seed=seed,
-        use_kernel=use_kernel)
+        use_kernel=use_kernel, v_transposed=use_kernel)
     out, _ = _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
-                       wr, q.dtype, impl)
+                       wr, q.dtype, impl, v_transposed=use_kernel)
     return out
 
   @jax.custom_vjp

@@ -25,13 +25,17 @@ for fam in $families; do
     case $dt in bf16) ct=cutlass::bfloat16_t; en=kBF16;; fp16) ct=cutlass::half_t; en=kFP16;; esac
     for hd in $HD; do
       [ $fam = fp8 ] && ! [[ $hd =~ ^(64|128|256)$ ]] && continue
-      fn=launch_${fam}_${dt}_hd${hd}
-      printf '#include "%s/kernel.h"\nnamespace jax_fa3 {\ncudaError_t %s(const %s& p, cudaStream_t s) { return launch_%s<%s, %s>(p, s); }\n}\n' \
-        "$fam" "$fn" "$params" "$launcher" "$ct" "$hd" > "$B/$fn.cu"
-      decls+="cudaError_t $fn(const $params&, cudaStream_t);"$'\n'
-      if [ $fam = fwd ]; then rows+="  {DType::$en, $hd, \"default\", &$fn},"$'\n'
-      else rows+="  {DType::$en, $hd, &$fn},"$'\n'; fi
-      sources+=" $B/$fn.cu"; n=$((n + 1))
+      # FP8: both V layouts (CMakeLists.txt: "default" transposes V in-kernel, "vt" reads V^T).
+      variants="default"; [ $fam = fp8 ] && variants="default vt"
+      for var in $variants; do
+        fn=launch_${fam}_${dt}_hd${hd}_${var}; targs=""; [ $var = vt ] && targs=", true"
+        printf '#include "%s/kernel.h"\nnamespace jax_fa3 {\ncudaError_t %s(const %s& p, cudaStream_t s) { return launch_%s<%s, %s%s>(p, s); }\n}\n' \
+          "$fam" "$fn" "$params" "$launcher" "$ct" "$hd" "$targs" > "$B/$fn.cu"
+        decls+="cudaError_t $fn(const $params&, cudaStream_t);"$'\n'
+        if [ $fam = bwd ]; then rows+="  {DType::$en, $hd, &$fn},"$'\n'
+        else rows+="  {DType::$en, $hd, \"$var\", &$fn},"$'\n'; fi
+        sources+=" $B/$fn.cu"; n=$((n + 1))
+      done
     done
   done
   printf '#include "%s/params.h"\nnamespace jax_fa3 {\n%s\nconst %sKernelEntry k%sKernels[] = {\n%s};\nconst int kNum%sKernels = %d;\n}\n' \

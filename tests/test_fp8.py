@@ -240,3 +240,25 @@ def test_quantize_pow2_scales():
   deq = np.asarray(x8, np.float32) * scale_b
   xf = np.asarray(x, np.float32)
   assert np.all(np.abs(deq - xf) <= np.abs(xf) * 2.0 ** -4 + scale_b * 2.0 ** -9)
+
+
+def test_vt_layout_key_order_and_padding():
+  """The V^T layout precision="fp8" feeds its kernel (fp8 module docstring):
+  within each 32-key slice position 16h + 4t + i holds key 16h + 8(i//2) +
+  2t + i%2 (the P register order of cc/fp8/mainloop.h); keys padded to 128."""
+  order = fp8.vt_key_order(128)
+  assert sorted(order.tolist()) == list(range(128))
+  assert order[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]
+  assert order[16:20].tolist() == [16, 17, 24, 25]
+  assert order[32:36].tolist() == [32, 33, 40, 41]
+  rng = np.random.default_rng(0)
+  v = rng.standard_normal((2, 300, 3, 64)).astype(np.float32)
+  v8 = jnp.asarray(v).astype(jnp.float8_e4m3fn)
+  vt = np.asarray(fp8.to_vt_layout(v8)).astype(np.float32)
+  assert vt.shape == (2, 3, 64, 384)
+  v8f = np.asarray(v8).astype(np.float32)
+  for pos in (0, 2, 5, 37, 128 + 18, 256 + 31, 256 + 41):  # keys 0 .. 297
+    key = (pos // 128) * 128 + order[pos % 128]
+    np.testing.assert_array_equal(vt[:, :, :, pos], v8f[:, key])
+  keys = (np.arange(384) // 128) * 128 + order[np.arange(384) % 128]
+  assert np.all(vt[..., keys >= 300] == 0)

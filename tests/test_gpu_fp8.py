@@ -107,7 +107,22 @@ def _window(causal, window):
 
 
 _quant_jit = jax.jit(fp8.quantize_qkv, static_argnames=(
-    "block_scales", "hadamard", "seed", "use_kernel"))
+    "block_scales", "hadamard", "seed", "use_kernel", "v_transposed"))
+
+
+@pytest.mark.parametrize("h", DIMS)
+@pytest.mark.parametrize("s", [77, 128, 300])
+def test_quantize_kernel_vt_layout(h, s):
+  """The pre-pass's V^T output (what precision="fp8" feeds the kernel) holds
+  exactly the bytes of its [B, S, K, H] output, permuted and zero-padded."""
+  q, k, v = make_inputs(seed_of(h, s, "vt"), 2, 200, s, 4, 2, h, "bfloat16")
+  a = _quant_jit(q, k, v, use_kernel=True)
+  b = _quant_jit(q, k, v, use_kernel=True, v_transposed=True)
+  assert b[2].shape == (2, 2, h, -(-s // 128) * 128)
+  want = np.asarray(fp8.to_vt_layout(a[2])).view(np.uint8)
+  np.testing.assert_array_equal(np.asarray(b[2]).view(np.uint8), want)
+  for x, y in zip(a[:2] + a[3:], b[:2] + b[3:]):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
 
 
 @pytest.mark.parametrize("h", DIMS)
@@ -142,11 +157,12 @@ CORE_CASES = [
 ]
 
 
-def _check_kernel_core(h, case, q, k, v, v_scales="pow2"):
+def _check_kernel_core(h, case, q, k, v, v_scales="pow2", layout="default"):
   """attention_fp8 on quantized q, k, v against float64 attention of the
   dequantized inputs (module docstring). v_scales: "pow2" (what quantize_qkv
   gives V) or "amax" (plain amax / 448 block scales, which a caller of
-  attention_fp8 may pass)."""
+  attention_fp8 may pass). layout "vt": the same operands with V in the V^T
+  layout, through the kernel precision="fp8" runs."""
   B, T, S, N, K, causal, window, ql, kl = case
   dtype = "bfloat16"
   q8, k8, v8, qs, ks, vs = _quant_jit(q, k, v, block_scales=True, hadamard=True,
@@ -156,10 +172,18 @@ def _check_kernel_core(h, case, q, k, v, v_scales="pow2"):
     v8, vs = fp8.quantize_fp8(v, block_rows=bn)
   q_lens = np.array(ql if ql else [T] * B, np.int32)
   kv_lens = np.array(kl if kl else [S] * B, np.int32)
-  f = jax.jit(lambda *a: jax_fa3.attention_fp8(
-      *a[:6], query_seq_lengths=a[6], key_value_seq_lengths=a[7],
-      is_causal=causal, local_window_size=window, implementation="fa3"))
-  out = np.asarray(f(q8, k8, v8, qs, ks, vs, q_lens, kv_lens)).astype(np.float32)
+  if layout == "vt":
+    wl, wr = _window(causal, window)
+    f = jax.jit(lambda *a: fp8._fp8_core(
+        *a, 1 / np.sqrt(h), wl, wr, jnp.bfloat16, "fa3", v_transposed=True)[0])
+    v8_in = (_quant_jit(q, k, v, use_kernel=True, v_transposed=True)[2]
+             if v_scales == "pow2" else fp8.to_vt_layout(v8))
+  else:
+    f = jax.jit(lambda *a: jax_fa3.attention_fp8(
+        *a[:6], query_seq_lengths=a[6], key_value_seq_lengths=a[7],
+        is_causal=causal, local_window_size=window, implementation="fa3"))
+    v8_in = v8
+  out = np.asarray(f(q8, k8, v8_in, qs, ks, vs, q_lens, kv_lens)).astype(np.float32)
   qd, kd, vd = _dequant(q8, qs, 128), _dequant(k8, ks, bn), _dequant(v8, vs, bn)
   wl, wr = _window(causal, window)
   refs = attention_refs(qd, kd, vd, q_lens, kv_lens, causal=causal,
@@ -180,15 +204,17 @@ def _check_kernel_core(h, case, q, k, v, v_scales="pow2"):
 @pytest.mark.parametrize("h", DIMS)
 @pytest.mark.parametrize("case", CORE_CASES, ids=str)
 @pytest.mark.parametrize("v_scales", ["pow2", "amax"])
-def test_fp8_kernel_core(h, case, v_scales):
+@pytest.mark.parametrize("layout", ["default", "vt"])
+def test_fp8_kernel_core(h, case, v_scales, layout):
   B, T, S, N, K = case[:5]
   q, k, v = make_inputs(seed_of(h, case), B, T, S, N, K, h, "bfloat16")
-  _check_kernel_core(h, case, q, k, v, v_scales)
+  _check_kernel_core(h, case, q, k, v, v_scales, layout)
 
 
 @needs_kernel
 @pytest.mark.parametrize("h", DIMS)
-def test_fp8_kernel_core_zero_v_block_next_to_large_v(h):
+@pytest.mark.parametrize("layout", ["default", "vt"])
+def test_fp8_kernel_core_zero_v_block_next_to_large_v(h, layout):
   """An all-zero 128-row V block (its power-of-two scale is FLT_MIN) in a
   tile whose largest V block scale is 4 or more (|V| up to ~3000): the
   kernel's un-scaling of that block's probability sum, 2^-log2(FLT_MIN / 4),
@@ -197,7 +223,7 @@ def test_fp8_kernel_core_zero_v_block_next_to_large_v(h):
   q, k, v = make_inputs(seed_of(h, "zero-v-block"), 1, 300, 640, 2, 2, h, "bfloat16")
   v = v.astype(np.float32) * 1000
   v[:, 128:256] = 0
-  _check_kernel_core(h, case, q, k, v.astype(np_dtype("bfloat16")))
+  _check_kernel_core(h, case, q, k, v.astype(np_dtype("bfloat16")), layout=layout)
 
 
 @pytest.mark.parametrize("h", DIMS)

@@ -31,7 +31,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> q8, ffi::Result<ffi::AnyBuffer> k8,
                         ffi::Result<ffi::AnyBuffer> v8, ffi::Result<ffi::Buffer<ffi::F32>> qs,
                         ffi::Result<ffi::Buffer<ffi::F32>> ks, ffi::Result<ffi::Buffer<ffi::F32>> vs,
-                        int32_t block_q, int32_t block_kv, int32_t hadamard) {
+                        int32_t block_q, int32_t block_kv, int32_t hadamard, int32_t v_transposed) {
   const char* who = "jax_fa3_fp8_quantize: ";
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
@@ -61,6 +61,18 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   const ffi::AnyBuffer* ins[3] = {&q, &k, &v};
   ffi::Result<ffi::AnyBuffer>* outs[3] = {&q8, &k8, &v8};
   ffi::Result<ffi::Buffer<ffi::F32>>* scales[3] = {&qs, &ks, &vs};
+  // Outputs: e4m3 of the input's shape; V^T [B, K, H, fp8_vt_seq(S)] (params.h) when v_transposed.
+  for (int i = 0; i < 3; ++i) {
+    auto in = ins[i]->dimensions(), out = (*outs[i])->dimensions();
+    const bool vt = i == 2 && v_transposed != 0;
+    const bool out_ok = out.size() == 4 &&
+        (vt ? out[0] == in[0] && out[1] == in[2] && out[2] == in[3] && out[3] == fp8_vt_seq(in[1], p.d)
+            : out[0] == in[0] && out[1] == in[1] && out[2] == in[2] && out[3] == in[3]);
+    if (!out_ok) { return ffi::Error::InvalidArgument(std::string(who) + "e4m3 output has the wrong shape"); }
+  }
+  if (v_transposed != 0 && block_kv != fp8_block_n(p.d)) {
+    return ffi::Error::InvalidArgument(std::string(who) + "V^T output needs block_kv = the kernel's key block");
+  }
   for (int i = 0; i < 3; ++i) {
     auto dims = ins[i]->dimensions();
     QuantTensor& t = p.t[i];
@@ -72,6 +84,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     t.block_rows = i == 0 ? block_q : block_kv;
     t.hadamard = hadamard != 0 && i < 2;  // V: block scales only
     t.pow2 = i == 2;  // V: power-of-two scales (the kernel folds their ratios into P)
+    t.transpose = i == 2 && v_transposed != 0;
     t.fixed_scale = per_tensor ? fixed_scales.typed_data() + i : nullptr;
     if (t.block_rows <= 0 ||
         (*scales[i])->element_count() != size_t(p.b * t.heads * ceil_div(t.seq, t.block_rows))) {
@@ -87,12 +100,26 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ffi::Error::Success();
 }
 
+}  // namespace
+
+// The instantiation for this output dtype, head dim and V layout.
+const Fp8FwdKernelEntry* find_kernel(DType out_dtype, const Fp8FwdParams& fp) {
+  const char* variant = fp.v_transposed ? "vt" : "default";
+  for (int i = 0; i < kNumFp8FwdKernels; ++i) {
+    const Fp8FwdKernelEntry& e = kFp8FwdKernels[i];
+    if (e.out_dtype == out_dtype && e.head_dim == fp.base.d && std::string(e.variant) == variant) { return &e; }
+  }
+  return nullptr;
+}
+
+namespace {
+
 ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::F32> q_scale, ffi::Buffer<ffi::F32> k_scale,
                       ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> q_lens,
                       ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> o,
                       ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, int32_t window_left,
-                      int32_t window_right) {
+                      int32_t window_right, int32_t v_transposed) {
   const char* who = "jax_fa3_fp8_fwd: ";
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
@@ -110,8 +137,12 @@ ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   FwdParams& p = fp.base;
   p.b = int(qd[0]); p.t = int(qd[1]); p.n = int(qd[2]); p.d = int(qd[3]);
   p.s = int(kd[1]); p.kh = int(kd[2]);
-  if (kd[0] != p.b || vd[0] != p.b || kd[3] != p.d || vd[3] != p.d || vd[1] != p.s ||
-      vd[2] != p.kh || p.kh == 0 || p.n % p.kh != 0) {
+  fp.v_transposed = v_transposed != 0;
+  // V: [B, S, K, H], or V^T [B, K, H, fp8_vt_seq(S)] (params.h).
+  const bool v_ok = fp.v_transposed
+      ? vd[0] == p.b && vd[1] == p.kh && vd[2] == p.d && vd[3] == fp8_vt_seq(p.s, p.d)
+      : vd[0] == p.b && vd[1] == p.s && vd[2] == p.kh && vd[3] == p.d;
+  if (kd[0] != p.b || kd[3] != p.d || !v_ok || p.kh == 0 || p.n % p.kh != 0) {
     return ffi::Error::InvalidArgument(std::string(who) + "inconsistent q/k/v shapes");
   }
   if (q_lens.element_count() != size_t(p.b) || kv_lens.element_count() != size_t(p.b)) {
@@ -134,18 +165,16 @@ ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   fp.q_scale = q_scale.typed_data();
   fp.k_scale = k_scale.typed_data();
   fp.v_scale = v_scale.typed_data();
-  for (int i = 0; i < kNumFp8FwdKernels; ++i) {
-    const Fp8FwdKernelEntry& e = kFp8FwdKernels[i];
-    if (e.out_dtype == out_dtype && e.head_dim == p.d) {
-      cudaError_t err = e.launch(fp, stream);
-      if (err != cudaSuccess) {
-        return ffi::Error::Internal(std::string(who) + "launch failed: " + cudaGetErrorString(err));
-      }
-      return ffi::Error::Success();
-    }
+  const Fp8FwdKernelEntry* e = find_kernel(out_dtype, fp);
+  if (e == nullptr) {
+    return ffi::Error::InvalidArgument(std::string(who) + "head dim " + std::to_string(p.d) +
+                                       " with this output dtype and V layout was not compiled");
   }
-  return ffi::Error::InvalidArgument(std::string(who) + "head dim " + std::to_string(p.d) +
-                                     " with this output dtype was not compiled");
+  cudaError_t err = e->launch(fp, stream);
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(who) + "launch failed: " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -168,7 +197,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::F32>>()
         .Attr<int32_t>("block_q")
         .Attr<int32_t>("block_kv")
-        .Attr<int32_t>("hadamard"),
+        .Attr<int32_t>("hadamard")
+        .Attr<int32_t>("v_transposed"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -187,7 +217,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::F32>>()
         .Attr<float>("scale")
         .Attr<int32_t>("window_left")
-        .Attr<int32_t>("window_right"),
+        .Attr<int32_t>("window_right")
+        .Attr<int32_t>("v_transposed"),
     {ffi::Traits::kCmdBufferCompatible});
 
 extern "C" {
@@ -211,11 +242,8 @@ __attribute__((visibility("default"))) int jax_fa3_fp8_fwd_launch(const jax_fa3:
                                                                   int out_dtype, cudaStream_t stream) {
   jax_fa3::Fp8FwdParams params = *p;
   if (params.base.num_sms == 0) { params.base.num_sms = jax_fa3::sm_count(); }
-  for (int i = 0; i < jax_fa3::kNumFp8FwdKernels; ++i) {
-    const jax_fa3::Fp8FwdKernelEntry& e = jax_fa3::kFp8FwdKernels[i];
-    if (int(e.out_dtype) == out_dtype && e.head_dim == params.base.d) { return int(e.launch(params, stream)); }
-  }
-  return -1;
+  const jax_fa3::Fp8FwdKernelEntry* e = jax_fa3::find_kernel(jax_fa3::DType(out_dtype), params);
+  return e == nullptr ? -1 : int(e->launch(params, stream));
 }
 __attribute__((visibility("default"))) int jax_fa3_fp8_quantize_launch(const jax_fa3::QuantParams* p,
                                                                        cudaStream_t stream) {

@@ -2,7 +2,9 @@
 //   producer warpgroup, warp 0: one thread issues the TMA loads of Q, K, V
 //                               (fwd/producer.h, unchanged);
 //   producer warpgroup, warps 1-3: transpose each V tile into V^T (transpose.h),
-//                               into a V^T ring deeper than the K/V ring;
+//                               into a V^T ring deeper than the K/V ring
+//                               (idle when V^T comes from global memory:
+//                               Traits::kVtInGmem);
 //   consumer warpgroups 1, 2: QGMMAs, softmax, epilogue (mainloop.h).
 // Include from exactly one generated .cu per (output dtype, head dim).
 #pragma once
@@ -28,12 +30,17 @@ struct Fp8KernelParams {
   FwdParams fwd;  // named as fwd/producer.h expects
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaV tma_v;
   typename Traits::TmaO tma_o;
   const float* q_scale;
   const float* k_scale;
   const float* v_scale;
 };
+
+template <bool First, class A, class B>
+CUTE_DEVICE auto& pick_ref(A& a, B& b) {
+  if constexpr (First) { return a; } else { return b; }
+}
 
 template <class Traits, class Scheduler>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
@@ -55,7 +62,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
   const int warp_group = cutlass::canonical_warp_group_idx();
   const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
   const bool is_producer = warp_group == 0;
-  const bool is_transposer = is_producer && warp_in_group > 0;
+  const bool is_transposer = !Traits::kVtInGmem && is_producer && warp_in_group > 0;
   const bool lane_leader = cute::elect_one_sync();
   const bool is_tma_thread = is_producer && warp_in_group == 0 && lane_leader;
 
@@ -67,7 +74,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
   }
 
   // Q and K: TMA thread -> consumers. V: TMA thread -> transposers.
-  // V^T: transposers -> consumers.
+  // V^T: transposers -> consumers. kVtInGmem: V^T, TMA thread -> consumers.
   using Role = typename PipelineKV::ThreadCategory;
   typename PipelineQ::Params pq;
   pq.transaction_bytes = Traits::kTmaBytesQ;
@@ -80,8 +87,10 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
   pk.is_leader = is_tma_thread;
   pk.num_consumers = Traits::kNumMmaThreads;
   typename PipelineKV::Params pv = pk;
-  pv.role = is_transposer ? Role::Consumer : (is_producer ? Role::Producer : Role::NonParticipant);
-  pv.num_consumers = Traits::kNumTransposeThreads;
+  if constexpr (!Traits::kVtInGmem) {
+    pv.role = is_transposer ? Role::Consumer : (is_producer ? Role::Producer : Role::NonParticipant);
+    pv.num_consumers = Traits::kNumTransposeThreads;
+  }
   typename PipelineVt::Params pvt;
   pvt.role = is_transposer ? PipelineVt::ThreadCategory::Producer
                            : (is_producer ? PipelineVt::ThreadCategory::NonParticipant
@@ -110,7 +119,8 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       }
       pipe_k.producer_tail(state_kv);
       pipe_v.producer_tail(state_kv);
-    } else if (is_transposer) {
+    } else if constexpr (!Traits::kVtInGmem) {
+      if (!is_transposer) { return; }
       using Transposer = VTransposer<Traits>;
       // Per-lane address parts once per kernel; warp_in_group is warp-uniform
       // (shuffle-broadcast), so the column-block loop runs on uniform registers.
@@ -149,7 +159,11 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
     pingpong.init();
     auto state_q = typename PipelineQ::PipelineState{};
     auto state_kv = typename PipelineKV::PipelineState{};
-    auto state_vt = typename PipelineVt::PipelineState{};  // its own ring depth
+    // Where V^T tiles come from: the transposers' ring (its own depth), or
+    // with kVtInGmem the TMA-filled V ring, walked with its own state (V^T
+    // stages are released at other times than K stages).
+    auto& pipe_vsrc = pick_ref<Traits::kVtInGmem>(pipe_v, pipe_vt);
+    auto state_vt = typename std::remove_reference_t<decltype(pipe_vsrc)>::PipelineState{};
     const int num_m = (p.t + kBlockM - 1) / kBlockM;
     const int num_n = (p.s + kBlockN - 1) / kBlockN;
     const float scale_log2 = p.scale * 1.44269504088896340736f;
@@ -166,7 +180,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       pipe_q.consumer_wait(state_q);
       const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, scale_log2 * q_scale,
                                          params.k_scale + kv_row, params.v_scale + kv_row,
-                                         pipe_k, state_kv, pipe_vt, state_vt, softmax, acc_o);
+                                         pipe_k, state_kv, pipe_vsrc, state_vt, softmax, acc_o);
       pipe_q.consumer_release(state_q);  // O has its own buffer: Q is dead
       ++state_q;
       float lse[Mainloop::kRows];
@@ -179,9 +193,10 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
 }
 
 // Host launcher for one instantiation (persistent scheduler).
-template <class ElementO, int HeadDim>
+template <class ElementO, int HeadDim, bool VtInGmem = false>
 cudaError_t launch_fp8_fwd(const Fp8FwdParams& fp, cudaStream_t stream) {
-  using Traits = Fp8FwdTraits<ElementO, HeadDim>;
+  using Traits = Fp8FwdTraits<ElementO, HeadDim, VtInGmem>;
+  if (fp.v_transposed != VtInGmem) { return cudaErrorInvalidValue; }  // the handler picks by layout
   using Scheduler = PersistentTileScheduler;
   using Element = typename Traits::Element;
   using LayoutSeq = typename Traits::LayoutSeq;
@@ -191,11 +206,23 @@ cudaError_t launch_fp8_fwd(const Fp8FwdParams& fp, cudaStream_t stream) {
                      make_stride(int64_t(heads) * HeadDim, _1{}, int64_t(HeadDim),
                                  int64_t(seq) * heads * HeadDim));
   };
+  auto make_tma_v = [&](const Element* ptr) {
+    if constexpr (VtInGmem) {
+      // The extent is the padded length: in a partial last block, positions
+      // past s hold keys below s (vt_key_of), which TMA must not zero-fill.
+      const int64_t s_pad = fp8_vt_seq(p.s, HeadDim);
+      return Traits::make_tma_v(ptr, typename Traits::LayoutV(
+          make_shape(int32_t(s_pad), Int<HeadDim>{}, p.kh, p.b),
+          make_stride(_1{}, s_pad, s_pad * HeadDim, s_pad * HeadDim * p.kh)));
+    } else {
+      return Traits::make_tma_v(ptr, layout(p.s, p.kh, p.b));
+    }
+  };
   Fp8KernelParams<Traits> kp{
       p,
       Traits::make_tma_q(static_cast<const Element*>(p.q), layout(p.t, p.n, p.b)),
       Traits::make_tma_kv(static_cast<const Element*>(p.k), layout(p.s, p.kh, p.b)),
-      Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
+      make_tma_v(static_cast<const Element*>(p.v)),
       Traits::make_tma_o(static_cast<ElementO*>(p.o), layout(p.t, p.n, p.b)),
       fp.q_scale, fp.k_scale, fp.v_scale,
   };

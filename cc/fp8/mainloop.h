@@ -2,7 +2,8 @@
 // descale + online softmax in FP32, P -> e4m3 in registers, O += P V^T-tile
 // (RS QGMMA). Ping-pong between the consumer warpgroups as in fwd/mainloop.h;
 // within one, P.V overlaps the softmax through a double-buffered P (run()).
-// V arrives through the transposer's pipeline.
+// V^T arrives through the transposer's pipeline, or straight from TMA
+// (Traits::kVtInGmem).
 //
 // Block scales: S_true = S * qs * ks_j enters softmax as one factor per block
 // (Fp8OnlineSoftmax). O is accumulated in units of the tile's largest V block
@@ -86,7 +87,7 @@ struct Fp8ConsumerMainloop {
     if (mask.empty()) { return 1.f; }
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(smem.vt.data()), typename Traits::SmemLayoutVt{});
+    Tensor sVt = make_tensor(make_smem_ptr(Traits::vt_data(smem)), typename Traits::SmemLayoutVt{});
 
     auto thr_qk = mma_qk.get_thread_slice(mma_tid);
     auto thr_pv = mma_pv.get_thread_slice(mma_tid);
@@ -104,10 +105,19 @@ struct Fp8ConsumerMainloop {
     float correction[kRows];
 
     // vs_ref: the largest V scale among the tile's blocks (P_j carries the
-    // ratio vs_j / vs_ref <= 1, so P stays within e4m3's range).
-    float vs_ref = 0.f;
-    for (int n = mask.n_block_min; n < mask.n_block_max; ++n) { vs_ref = fmaxf(vs_ref, v_scale[n]); }
-    const float log2_vs_ref = __log2f(vs_ref);
+    // ratio vs_j / vs_ref <= 1, so P stays within e4m3's range). Formed while
+    // the first S GEMM runs, the lanes of each warp taking every 32nd block
+    // (one L2 round trip, then a shuffle max); it was a serial loop before
+    // that GEMM, 2-4 L2 round trips at the start of every tile.
+    float vs_ref = 0.f, log2_vs_ref = 0.f;
+    auto find_vs_ref = [&] {
+      for (int n = mask.n_block_min + int(threadIdx.x % 32); n < mask.n_block_max; n += 32) {
+        vs_ref = fmaxf(vs_ref, v_scale[n]);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int o = 16; o > 0; o /= 2) { vs_ref = fmaxf(vs_ref, __shfl_xor_sync(0xffffffff, vs_ref, o)); }
+      log2_vs_ref = __log2f(vs_ref);
+    };
     // log2(vs_j / vs_ref), clamped at -100: an all-zero V block has scale
     // FLT_MIN (quantize.cu), and with vs_ref >= 4 the softmax's un-scaling
     // factor 2^-v_log2 would overflow to inf (times a flushed-to-zero block
@@ -123,6 +133,7 @@ struct Fp8ConsumerMainloop {
       pingpong.wait_turn();
       warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
       pingpong.pass_turn();
+      find_vs_ref();
       warpgroup_wait<0>();
       pipe_k.consumer_release(state_kv);
       ++state_kv;

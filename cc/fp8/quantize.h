@@ -21,6 +21,9 @@ struct QuantTensor {
   // kernel folds V's scale ratios into P, exact only for powers of two; see
   // cc/fp8/mainloop.h). Otherwise amax / 448, an all-zero block 1.
   bool pow2 = false;
+  // Write V^T instead ([b, heads, d, fp8_vt_seq(seq)], fp8/params.h): the
+  // layout the "vt" FP8 kernel loads with TMA. Needs block_rows == 128.
+  bool transpose = false;
 };
 
 // Up to three tensors (Q, K, V) in one launch: the pre-pass reads each once.

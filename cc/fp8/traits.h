@@ -3,6 +3,12 @@
 // buffer holding each V tile transposed (FP8 WGMMA reads B only K-major), a
 // pipeline between the transposing warps and the consumers, and an output
 // element type distinct from the operand type.
+//
+// VtInGmem: V arrives already transposed (the V^T layout of params.h, written
+// by the quantize pre-pass at no extra HBM traffic). TMA then loads V^T tiles
+// straight into the V ring, the consumers read them there, and the
+// transposer warps and the V^T ring do not exist; the freed shared memory
+// deepens the K/V ring.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,8 +25,9 @@ namespace jax_fa3 {
 
 using namespace cute;
 
-template <class ElementO_, int HeadDim>
+template <class ElementO_, int HeadDim, bool VtInGmem = false>
 struct Fp8FwdTraits {
+  static constexpr bool kVtInGmem = VtInGmem;
   using Element = cutlass::float_e4m3_t;
   using ElementO = ElementO_;
   using ElementAccum = float;
@@ -49,7 +56,11 @@ struct Fp8FwdTraits {
   // K and V (as TMA writes it) rings. A K stage is refilled once both
   // consumer warpgroups have retired the S GEMM that read it. d64 / d128
   // have the shared memory for a third stage; d256 does not.
-  static constexpr int kStages = HeadDim >= 256 ? 2 : 3;
+  // Without the V^T ring (kVtInGmem) there is room for one more stage at
+  // d256 (3 x 64 KB + Q) and two more at d64 / d128.
+  // (d256 with 2 stages and a double-buffered Q instead: within +-1%, H200,
+  // session 12.)
+  static constexpr int kStages = VtInGmem ? (HeadDim >= 256 ? 3 : 4) : (HeadDim >= 256 ? 2 : 3);
   // V^T ring. A stage is free again once both warpgroups have retired the
   // P.V GEMM reading it, which the overlapped mainloop waits for only after
   // issuing the next S GEMM. With 2 stages the transpose of V_{j+2} waited
@@ -59,7 +70,9 @@ struct Fp8FwdTraits {
   static constexpr int kVtStageBytes = kBlockN * HeadDim;  // e4m3
   static constexpr int kSmemBytesFixed = kFp8BlockM * HeadDim + 2 * kStages * kVtStageBytes +
                                          (kStageO ? kFp8BlockM * HeadDim * int(sizeof(ElementO)) : 0);
-  static constexpr int kStagesVt = kSmemBytesFixed + 4 * kVtStageBytes + 1024 <= 227 * 1024 ? 4
+  // kVtInGmem: V^T tiles sit in the V ring (kStages deep).
+  static constexpr int kStagesVt = VtInGmem ? kStages
+                                 : kSmemBytesFixed + 4 * kVtStageBytes + 1024 <= 227 * 1024 ? 4
                                  : kSmemBytesFixed + 3 * kVtStageBytes + 1024 <= 227 * 1024 ? 3 : 2;
   // Ping-pong (one warpgroup's GEMMs under the other's softmax) pays at d64 /
   // d128, where the GEMMs are short next to the softmax. At d256 the two
@@ -115,12 +128,18 @@ struct Fp8FwdTraits {
       GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
   using SmemLayoutK = decltype(tile_to_shape(
       SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutV = SmemLayoutK;  // as TMA writes it: (n, d)
   // V^T: (d, n), n contiguous, with the n order permuted (see mainloop.h).
   using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
       GMMA::Major::K, Element, Int<kHeadDim>, Int<kBlockN>>());
   using SmemLayoutVt = decltype(tile_to_shape(
       SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesVt>>{}));
+  // The V ring as TMA writes it, (n, d, stage): V itself (d contiguous), or
+  // with kVtInGmem the V^T tiles seen through an (n, d) view (n contiguous),
+  // so the producer's (n, d) tiling serves both.
+  using SmemLayoutV = std::conditional_t<VtInGmem,
+      decltype(composition(SmemLayoutVt{}, make_ordered_layout(
+          Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}, Step<_2, _1, _3>{}))),
+      SmemLayoutK>;
 
   using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
       GMMA::Major::K, ElementO, Int<kBlockM>, Int<kHeadDim>>());
@@ -134,7 +153,7 @@ struct Fp8FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> vt;
+    cute::array_aligned<Element, VtInGmem ? 1 : cute::cosize_v<SmemLayoutVt>, VtInGmem ? 16 : 1024> vt;
     cute::array_aligned<ElementO, kStageO ? cute::cosize_v<SmemLayoutO> : 1, kStageO ? 1024 : 16> o;
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineKV::SharedStorage pipe_k;
@@ -159,12 +178,25 @@ struct Fp8FwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
                          take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
+  // V: the (n, d) tiles of V, or with kVtInGmem of V^T in global memory,
+  // (s, d, kh, b) with stride (1, fp8_vt_seq(s), d * fp8_vt_seq(s), ...).
+  using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
+  using LayoutV = std::conditional_t<VtInGmem, Layout<ShapeSeq, StrideVt>, LayoutSeq>;
+  static auto make_tma_v(const Element* ptr, LayoutV layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         take<0, 2>(SmemLayoutV{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  }
+  // Where the consumers read V^T tiles.
+  CUTE_HOST_DEVICE static Element* vt_data(SharedStorage& smem) {
+    if constexpr (VtInGmem) { return smem.v.data(); } else { return smem.vt.data(); }
+  }
   static auto make_tma_o(ElementO* ptr, LayoutSeq layout) {
     return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
                          SmemLayoutO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
+  using TmaV = decltype(make_tma_v(nullptr, LayoutV{}));
   using TmaO = decltype(make_tma_o(nullptr, LayoutSeq{}));
 };
 

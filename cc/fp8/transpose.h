@@ -12,20 +12,14 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include "params.h"
 
 namespace jax_fa3 {
 
 using namespace cute;
 
-// Within each 32-key slice: A-fragment position p = 16*h + 4*t + i (h: half,
-// t: quad lane, i: byte) holds accumulator column 16*h + 8*(i/2) + 2*t + i%2
-// (the accumulator gives lane t columns 2t, 2t+1 of every 8-column group; the
-// e4m3 A operand wants 4 consecutive k per lane). See pack_p_fp8 in mainloop.h.
-CUTE_HOST_DEVICE constexpr int vt_key_of(int p) {
-  int base = p & ~31, q = p & 31;
-  int h = q / 16, t = (q % 16) / 4, i = q % 4;
-  return base + 16 * h + 8 * (i / 2) + 2 * t + (i % 2);
-}
+// vt_key_of (the key order inside each 32-key slice of V^T) is in params.h:
+// the quantize pre-pass writes V^T in global memory in the same order.
 
 // 32-bit shared-memory accesses by 32-bit shared address (a dereference of
 // the pointer CuTe hands out compiles to generic LD/ST, 64-bit addresses).

@@ -9,8 +9,11 @@
 //     (only P's e4m3 rounding and the bf16 output remain): max error and RMSE
 //     at most 2x those of a host emulation of that rounding (+ small atol),
 //     every element written (poison), NaN-free, bit-reproducible.
-//   jax_fa3_fp8_check --time B,T,N,D,CAUSAL [--iters 20]
+//   jax_fa3_fp8_check --time B,T,N,D,CAUSAL [--iters 20] [--layout default|vt]
 //     times the pre-pass and the kernel with CUDA events on random inputs (no check).
+//   --layout L        V layout(s) to check: default ([B, S, K, H], transposed
+//                     in-kernel), vt (V^T written by the pre-pass), both (the
+//                     default for checks; timing takes one, default "vt")
 // Hang bisection (the kernel hung on the H200 in session 2): every launch is
 // bracketed by flushed "[fp8_check] ..." lines and waited for with a host
 // watchdog (polls the stream; exits with status 3 and "HANG in <stage>").
@@ -68,6 +71,7 @@ struct Case { int b, t, s, n, kh; bool causal; bool lens; };
 
 double g_watchdog_s = 20;
 bool g_prepass_only = false;
+bool g_vt = false;  // the layout of the current run: V^T from the pre-pass
 
 // Waits for the default stream, exiting on an error (2) or after g_watchdog_s (3).
 void wait_or_die(const char* what) {
@@ -100,6 +104,7 @@ jax_fa3::QuantParams quant_params(const Case& c, int d, Buffers& m) {
     qp.t[i].block_rows = i == 0 ? jax_fa3::kFp8BlockM : jax_fa3::fp8_block_n(d);
     qp.t[i].hadamard = i < 2;
     qp.t[i].pow2 = i == 2;  // as the FFI handler: V's scales are powers of two
+    qp.t[i].transpose = i == 2 && g_vt;
   }
   return qp;
 }
@@ -110,7 +115,8 @@ Buffers alloc(const Case& c, int d) {
   const size_t sq = size_t(c.b) * c.n * cdiv(c.t, jax_fa3::kFp8BlockM);
   const size_t sk = size_t(c.b) * c.kh * cdiv(c.s, jax_fa3::fp8_block_n(d));
   CHECK_CUDA(cudaMalloc(&m.q, nq * 2)); CHECK_CUDA(cudaMalloc(&m.k, nk * 2)); CHECK_CUDA(cudaMalloc(&m.v, nk * 2));
-  CHECK_CUDA(cudaMalloc(&m.q8, nq)); CHECK_CUDA(cudaMalloc(&m.k8, nk)); CHECK_CUDA(cudaMalloc(&m.v8, nk));
+  const size_t nvt = size_t(c.b) * c.kh * d * jax_fa3::fp8_vt_seq(c.s, d);  // >= nk
+  CHECK_CUDA(cudaMalloc(&m.q8, nq)); CHECK_CUDA(cudaMalloc(&m.k8, nk)); CHECK_CUDA(cudaMalloc(&m.v8, nvt));
   CHECK_CUDA(cudaMalloc(&m.o, nq * 2));
   CHECK_CUDA(cudaMalloc((void**)&m.qs, sq * 4)); CHECK_CUDA(cudaMalloc((void**)&m.ks, sk * 4));
   CHECK_CUDA(cudaMalloc((void**)&m.vs, sk * 4));
@@ -133,6 +139,7 @@ jax_fa3::Fp8FwdParams fwd_params(const Case& c, int d, const Buffers& m) {
   p.scale = 1.f / std::sqrt(float(d));
   p.window_left = -1; p.window_right = c.causal ? 0 : -1;
   fp.q_scale = m.qs; fp.k_scale = m.ks; fp.v_scale = m.vs;
+  fp.v_transposed = g_vt;
   return fp;
 }
 
@@ -147,8 +154,8 @@ void host_rotate(const float* x, const float* signs, int d, double* y) {
 
 bool run_case(const Case& c, int d, uint32_t seed) {
   char tag[160];
-  std::snprintf(tag, sizeof tag, "d%d b%d t%d s%d n%d kh%d causal=%d lens=%d", d, c.b, c.t, c.s,
-                c.n, c.kh, int(c.causal), int(c.lens));
+  std::snprintf(tag, sizeof tag, "d%d b%d t%d s%d n%d kh%d causal=%d lens=%d %s", d, c.b, c.t, c.s,
+                c.n, c.kh, int(c.causal), int(c.lens), g_vt ? "vt" : "default");
   std::string what;
   NormalRng rng(seed);
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
@@ -183,7 +190,23 @@ bool run_case(const Case& c, int d, uint32_t seed) {
     const int nb = int(cdiv(t.seq, t.block_rows));
     std::vector<uint8_t> q8(n);
     std::vector<float> sc(size_t(c.b) * t.heads * nb);
-    CHECK_CUDA(cudaMemcpy(q8.data(), t.out, n, cudaMemcpyDeviceToHost));
+    size_t bad_pad = 0;
+    if (t.transpose) {  // V^T [b, heads, d, s_pad], keys permuted per 32-slice: back to [b, s, heads, d]
+      const int64_t s_pad = jax_fa3::fp8_vt_seq(t.seq, d);
+      std::vector<uint8_t> vt(size_t(c.b) * t.heads * d * s_pad);
+      CHECK_CUDA(cudaMemcpy(vt.data(), t.out, vt.size(), cudaMemcpyDeviceToHost));
+      for (int b = 0; b < c.b; ++b) for (int h = 0; h < t.heads; ++h) for (int e = 0; e < d; ++e)
+        for (int64_t pos = 0; pos < s_pad; ++pos) {
+          const int64_t key = (pos & ~int64_t(31)) + jax_fa3::vt_key_of(int(pos & 31));
+          const uint8_t byte = vt[((size_t(b) * t.heads + h) * d + e) * s_pad + pos];
+          if (key >= t.seq) { bad_pad += byte != 0; continue; }
+          q8[((size_t(b) * t.seq + key) * t.heads + h) * d + e] = byte;
+        }
+    } else {
+      CHECK_CUDA(cudaMemcpy(q8.data(), t.out, n, cudaMemcpyDeviceToHost));
+    }
+    ok &= bad_pad == 0;
+    if (bad_pad) { std::printf("  %s: %zu non-zero padding bytes in V^T\n", tag, bad_pad); }
     CHECK_CUDA(cudaMemcpy(sc.data(), t.scales, sc.size() * 4, cudaMemcpyDeviceToHost));
     deq[i].resize(n);
     size_t mism = 0;
@@ -282,9 +305,9 @@ bool run_case(const Case& c, int d, uint32_t seed) {
   const double rmse = std::sqrt(sq / double(nq)), rmse_emu = std::sqrt(sq_emu / double(nq));
   // FA3-style rule: no worse than 2x an emulation of the same rounding.
   ok &= !nan && repro && max_err <= 2 * max_emu + 4e-3 && rmse <= 2 * rmse_emu + 2e-4;
-  std::printf("  d%-3d b%d t%-4d s%-4d n%d kh%d causal=%d lens=%d: pre-pass scale rel err %.1e, e4m3 "
+  std::printf("  d%-3d b%d t%-4d s%-4d n%d kh%d causal=%d lens=%d %-7s: pre-pass scale rel err %.1e, e4m3 "
               "mismatch %.1e | kernel max err %.2e rmse %.2e (emulation %.2e, %.2e) nan=%d repro=%d  %s\n",
-              d, c.b, c.t, c.s, c.n, c.kh, int(c.causal), int(c.lens), worst_scale, mismatch_frac,
+              d, c.b, c.t, c.s, c.n, c.kh, int(c.causal), int(c.lens), g_vt ? "vt" : "default", worst_scale, mismatch_frac,
               max_err, rmse, max_emu, rmse_emu, int(nan), int(repro), ok ? "ok" : "FAIL");
   std::fflush(stdout);
   release(m);
@@ -330,8 +353,8 @@ int time_shape(int b, int t, int n, int d, bool causal, int iters) {
   }
   ms_q /= iters; ms_f /= iters;
   const double flops = 4.0 * b * n * double(t) * t * d / (causal ? 2 : 1);
-  std::printf("fp8 b%d t%d n%d d%d causal=%d: kernel %.3f ms (%.0f TFLOP/s), pre-pass %.3f ms, "
-              "both %.0f TFLOP/s\n", b, t, n, d, int(causal), ms_f, flops / ms_f / 1e9, ms_q,
+  std::printf("fp8 b%d t%d n%d d%d causal=%d %s: kernel %.3f ms (%.0f TFLOP/s), pre-pass %.3f ms, "
+              "both %.0f TFLOP/s\n", b, t, n, d, int(causal), g_vt ? "vt" : "default", ms_f, flops / ms_f / 1e9, ms_q,
               flops / (ms_f + ms_q) / 1e9);
   release(m);
   return 0;
@@ -342,6 +365,7 @@ int time_shape(int b, int t, int n, int d, bool causal, int iters) {
 int main(int argc, char** argv) {
   std::vector<int> hdims = {64, 128, 256};
   int iters = 20, only_case = -1;
+  std::string layout = "both";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--case" && i + 1 < argc) {
@@ -356,10 +380,20 @@ int main(int argc, char** argv) {
       hdims = check_util::parse_int_list(argv[++i]);
     } else if (a == "--iters" && i + 1 < argc) {
       iters = std::atoi(argv[++i]);
+    } else if (a == "--layout" && i + 1 < argc) {
+      layout = argv[++i];
+      if (layout != "default" && layout != "vt" && layout != "both") {
+        std::fprintf(stderr, "--layout default|vt|both\n");
+        return 2;
+      }
     } else if (a == "--time" && i + 1 < argc) {
       check_util::TimeSpec ts;
       if (!check_util::parse_time_spec(argv[++i], ts)) return 2;
-      for (int j = i + 1; j + 1 < argc; ++j) if (std::string(argv[j]) == "--iters") iters = std::atoi(argv[j + 1]);
+      for (int j = i + 1; j + 1 < argc; ++j) {
+        if (std::string(argv[j]) == "--iters") iters = std::atoi(argv[j + 1]);
+        if (std::string(argv[j]) == "--layout") layout = argv[j + 1];
+      }
+      g_vt = layout != "default";
       return time_shape(ts.b, ts.t, ts.n, ts.d, ts.causal != 0, iters);
     }
   }
@@ -374,9 +408,13 @@ int main(int argc, char** argv) {
   for (int d : hdims) {
     for (int ci = 0; ci < num_cases; ++ci, ++seed) {
       if (only_case >= 0 && ci != only_case) continue;
-      std::printf("[fp8_check] case %d (d%d)\n", ci, d);
-      std::fflush(stdout);
-      ok &= run_case(cases[ci], d, seed);
+      for (int vt = 0; vt < 2; ++vt) {
+        if (layout != "both" && (layout == "vt") != bool(vt)) continue;
+        g_vt = vt;
+        std::printf("[fp8_check] case %d (d%d, %s)\n", ci, d, vt ? "vt" : "default");
+        std::fflush(stdout);
+        ok &= run_case(cases[ci], d, seed);
+      }
     }
   }
   std::printf(ok ? "PASSED\n" : "FAILED\n");
