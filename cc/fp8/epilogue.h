@@ -1,8 +1,9 @@
-// FP8 epilogue: as fwd/epilogue.h (registers -> smem -> one TMA store per
-// tile, LSE from registers), but O has the output dtype, not the e4m3
-// operand type, and has its own buffer -- or, where that buffer does not fit
-// next to the K/V/V^T rings (kStageO false: d256), goes from registers
-// straight to global in 4-byte pairs.
+// FP8 epilogue. Where O is staged in shared memory (kStageO: d64 / d128) it
+// is the 16-bit forward's (fwd/epilogue.h): O in its own buffer (the output
+// dtype, not the e4m3 operand type), each consumer warpgroup storing its 64
+// rows with its own barrier and TMA store. At d256 O's 64 KB of staging would
+// not fit next to the K/V rings, so it goes from registers straight to global
+// in 4-byte pairs (below).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -10,6 +11,7 @@
 #include "traits.h"
 #include "../fwd/tile_scheduler.h"
 #include "../fwd/utils.h"
+#include "../fwd/epilogue.h"
 
 namespace jax_fa3 {
 
@@ -18,16 +20,26 @@ struct Fp8Epilogue {
   using ElementO = typename Traits::ElementO;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
-  static constexpr uint32_t kBarrierO = 0;  // user named-barrier id (ping-pong uses 1, 2)
+  using Staged = Epilogue<Traits, KernelParams>;
 
   CUTE_DEVICE static void drain(int mma_tid) {
-    if (Traits::kStageO && mma_tid == 0) { tma_store_wait<0>(); }
+    if constexpr (Traits::kStageO) { Staged::drain(mma_tid); }
   }
 
   template <int kRows, class TO>
   CUTE_DEVICE static void store(const KernelParams& params, typename Traits::SharedStorage& smem,
                                 int mma_tid, const WorkTile& tile, int q_len,
                                 TO& acc_o, const float (&lse)[kRows]) {
+    if constexpr (Traits::kStageO) {
+      Staged::store(params, smem, mma_tid, tile, q_len, acc_o, lse);
+    } else {
+      store_from_registers(params, mma_tid, tile, q_len, acc_o, lse);
+    }
+  }
+
+  template <int kRows, class TO>
+  CUTE_DEVICE static void store_from_registers(const KernelParams& params, int mma_tid, const WorkTile& tile,
+                                               int q_len, TO& acc_o, const float (&lse)[kRows]) {
     const FwdParams& p = params.fwd;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(mma_tid);
@@ -45,44 +57,23 @@ struct Fp8Epilogue {
     }
 
     Tensor rO = convert_fragment<ElementO>(acc_o);
-    if constexpr (Traits::kStageO) {
-      Tensor sO = make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutO{});
-      // The previous tile's store may still be reading the buffer.
-      if (mma_tid == 0) { tma_store_wait<0>(); }
-      cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
-      Tensor tOsO = thr_pv.partition_C(sO);
-      copy(rO, tOsO);
-      cutlass::arch::fence_view_async_shared();  // generic writes -> TMA (async proxy)
-      cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierO);
-
-      if (mma_tid == 0) {
-        Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
-        Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                               make_coord(tile.m_block, _0{}));
-        auto [tOgO, tOsO_tma] = tma_partition(params.tma_o, Int<0>{}, Layout<_1>{},
-                                              group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-        copy(params.tma_o, tOsO_tma, tOgO);
-        tma_store_arrive();
-      }
-    } else {
-      // The accumulator gives each thread column pairs (2t, 2t + 1) of every
-      // 8-column group: one 4-byte store per pair, rows past the sequence end
-      // skipped (the TMA store clips them).
-      Tensor rO_rc = as_rowcol(rO);
-      static_assert(decltype(size<1>(rO_rc))::value % 2 == 0);
-      ElementO* o_head = static_cast<ElementO*>(p.o) + (int64_t(tile.batch) * p.t * p.n + tile.head) * kHeadDim;
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < size<0>(rO_rc); ++r) {
-        const int row = m_start + get<0>(cO_rc(r, 0));
-        if (row < p.t) {
-          ElementO* o_row = o_head + int64_t(row) * p.n * kHeadDim;
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < size<1>(rO_rc); c += 2) {
-            cutlass::AlignedArray<ElementO, 2> pair;
-            pair[0] = rO_rc(r, c);
-            pair[1] = rO_rc(r, c + 1);
-            *reinterpret_cast<cutlass::AlignedArray<ElementO, 2>*>(o_row + get<1>(cO_rc(r, c))) = pair;
-          }
+    // The accumulator gives each thread column pairs (2t, 2t + 1) of every
+    // 8-column group: one 4-byte store per pair, rows past the sequence end
+    // skipped.
+    Tensor rO_rc = as_rowcol(rO);
+    static_assert(decltype(size<1>(rO_rc))::value % 2 == 0);
+    ElementO* o_head = static_cast<ElementO*>(p.o) + (int64_t(tile.batch) * p.t * p.n + tile.head) * kHeadDim;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(rO_rc); ++r) {
+      const int row = m_start + get<0>(cO_rc(r, 0));
+      if (row < p.t) {
+        ElementO* o_row = o_head + int64_t(row) * p.n * kHeadDim;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(rO_rc); c += 2) {
+          cutlass::AlignedArray<ElementO, 2> pair;
+          pair[0] = rO_rc(r, c);
+          pair[1] = rO_rc(r, c + 1);
+          *reinterpret_cast<cutlass::AlignedArray<ElementO, 2>*>(o_row + get<1>(cO_rc(r, c))) = pair;
         }
       }
     }

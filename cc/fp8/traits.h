@@ -190,9 +190,14 @@ struct Fp8FwdTraits {
   CUTE_HOST_DEVICE static Element* vt_data(SharedStorage& smem) {
     if constexpr (VtInGmem) { return smem.v.data(); } else { return smem.vt.data(); }
   }
+  // Where O is staged, each consumer warpgroup stores its 64 rows on its own
+  // (fwd/epilogue.h), so TMA stores 64-row boxes.
+  static constexpr bool kSeparateO = kStageO;
+  static constexpr int kRowsPerWG = 64;
+  using SmemLayoutOWG = decltype(get<0>(zipped_divide(SmemLayoutO{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{})));
   static auto make_tma_o(ElementO* ptr, LayoutSeq layout) {
     return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         SmemLayoutO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+                         SmemLayoutOWG{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{}, _1{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));

@@ -6,6 +6,8 @@
 // TMA store: a CTA-wide barrier here made the warpgroup that finished first
 // wait out the other's last P.V GEMM, and the tensor cores idled across every
 // tile boundary (at d64 about 1.5 K/V blocks' worth of time per tile).
+// The FP8 kernel stores O this way too where it stages O (fp8/epilogue.h);
+// O's type is Traits::ElementO (the operand type in the 16-bit kernel).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -17,7 +19,7 @@ namespace jax_fa3 {
 
 template <class Traits, class KernelParams>
 struct Epilogue {
-  using Element = typename Traits::Element;
+  using ElementO = typename Traits::ElementO;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kRowsPerWG = Traits::kRowsPerWG;
@@ -53,8 +55,9 @@ struct Epilogue {
       }
     }
 
-    Tensor rO = convert_fragment<Element>(acc_o);
-    Element* o_buffer = Traits::kSeparateO ? smem.o.data() : smem.q.data();
+    Tensor rO = convert_fragment<ElementO>(acc_o);
+    ElementO* o_buffer;
+    if constexpr (Traits::kSeparateO) { o_buffer = smem.o.data(); } else { o_buffer = smem.q.data(); }
     Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename Traits::SmemLayoutO{});
     // A thread's fragment lies in its own warpgroup's 64 rows of the tile
     // (and, with O in Q's buffer, in the Q rows only its warpgroup's S GEMMs read).

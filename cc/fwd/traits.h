@@ -164,6 +164,7 @@ struct FwdTraits {
   }
   // Each consumer warpgroup stores its own 64 rows of O (epilogue.h): the
   // store box is one warpgroup's slice of the O tile, same swizzle and strides.
+  using ElementO = Element;  // epilogue.h (the FP8 kernel's O type differs from its operands')
   static constexpr int kRowsPerWG = 64;
   using SmemLayoutOWG = decltype(get<0>(zipped_divide(SmemLayoutO{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{})));
   static auto make_tma_o(Element* ptr, LayoutSeq layout) {
