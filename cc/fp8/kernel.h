@@ -6,7 +6,7 @@
 //                               (idle when V^T comes from global memory:
 //                               Traits::kVtInGmem);
 //   consumer warpgroups 1, 2: QGMMAs, softmax, epilogue (mainloop.h).
-// Include from exactly one generated .cu per (output dtype, head dim).
+// Include from exactly one generated .cu per (output dtype, head dim, V layout).
 #pragma once
 
 #include <cute/tensor.hpp>
