@@ -26,7 +26,8 @@ for fam in $families; do
     for hd in $HD; do
       [ $fam = fp8 ] && ! [[ $hd =~ ^(64|128|256)$ ]] && continue
       # FP8: both V layouts (CMakeLists.txt: "default" transposes V in-kernel, "vt" reads V^T).
-      variants="default"; [ $fam = fp8 ] && variants="default vt"
+      # FP8_VARIANTS narrows that for quick A/B builds.
+      variants="default"; [ $fam = fp8 ] && variants="${FP8_VARIANTS:-default vt}"
       for var in $variants; do
         fn=launch_${fam}_${dt}_hd${hd}_${var}; targs=""; [ $var = vt ] && targs=", true"
         printf '#include "%s/kernel.h"\nnamespace jax_fa3 {\ncudaError_t %s(const %s& p, cudaStream_t s) { return launch_%s<%s, %s%s>(p, s); }\n}\n' \

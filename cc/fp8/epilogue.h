@@ -1,9 +1,10 @@
-// FP8 epilogue. Where O is staged in shared memory (kStageO: d64 / d128) it
-// is the 16-bit forward's (fwd/epilogue.h): O in its own buffer (the output
-// dtype, not the e4m3 operand type), each consumer warpgroup storing its 64
-// rows with its own barrier and TMA store. At d256 O's 64 KB of staging would
-// not fit next to the K/V rings, so it goes from registers straight to global
-// in 4-byte pairs (below).
+// FP8 epilogue. Where O is staged in shared memory (kStageO: all but the
+// transposing d256 kernel) it is the 16-bit forward's (fwd/epilogue.h): O in
+// its own buffer (the output dtype, not the e4m3 operand type), each consumer
+// warpgroup storing its 64 rows with its own barrier and TMA store. In the
+// transposing d256 kernel O's 64 KB of staging would not fit next to the K/V
+// and V^T rings, so it goes from registers straight to global in 4-byte pairs
+// (below).
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -41,11 +41,15 @@ struct Fp8FwdTraits {
   // is registers and shared memory, paid by kStageO and kIntraWgOverlap
   // below (and the transposer's slice batch, transpose.h).
   //
-  // O leaves through shared memory and one TMA store per tile where that
-  // fits (d64 / d128); at d256 its 64 KB of bf16 staging would not fit next
-  // to the 32 KB K/V/V^T stages, so O goes from registers straight to global
-  // (once per tile; the K/V traffic is ~100x larger).
-  static constexpr bool kStageO = HeadDim < 256;
+  // O leaves through shared memory, each consumer warpgroup storing its 64
+  // rows with one TMA store (fwd/epilogue.h), wherever the 64 KB of bf16
+  // staging fits: d64 / d128, and d256 with V^T from global memory, which
+  // gives up its third K/V stage for it (2 x 64 KB + Q + O = 224 KB). There
+  // that beat 3 stages with O stored from registers (64 4-byte STGs per
+  // thread, a tile boundary the tensor cores idled across): +9% causal 4k,
+  // +4% non-causal 8k (H200, kernel-only, session 13). The transposing d256
+  // kernel has no room (its V^T ring) and keeps the register path.
+  static constexpr bool kStageO = HeadDim < 256 || VtInGmem;
   // Intra-warpgroup overlap (P.V of block j-1 running under the softmax of
   // block j) needs a second P buffer and S live next to it. At d256 O alone
   // is 128 of the 240 registers, S 64 and P 16: one P buffer, and the P.V
@@ -56,11 +60,11 @@ struct Fp8FwdTraits {
   // K and V (as TMA writes it) rings. A K stage is refilled once both
   // consumer warpgroups have retired the S GEMM that read it. d64 / d128
   // have the shared memory for a third stage; d256 does not.
-  // Without the V^T ring (kVtInGmem) there is room for one more stage at
-  // d256 (3 x 64 KB + Q) and two more at d64 / d128.
-  // (d256 with 2 stages and a double-buffered Q instead: within +-1%, H200,
-  // session 12.)
-  static constexpr int kStages = VtInGmem ? (HeadDim >= 256 ? 3 : 4) : (HeadDim >= 256 ? 2 : 3);
+  // Without the V^T ring (kVtInGmem) there is room for two more stages at
+  // d64 / d128; at d256 the room goes to O's staging (kStageO above).
+  // (d256 with 2 stages and a double-buffered Q instead of 3 stages: within
+  // +-1%, H200, session 12.)
+  static constexpr int kStages = HeadDim >= 256 ? 2 : (VtInGmem ? 4 : 3);
   // V^T ring. A stage is free again once both warpgroups have retired the
   // P.V GEMM reading it, which the overlapped mainloop waits for only after
   // issuing the next S GEMM. With 2 stages the transpose of V_{j+2} waited
@@ -77,7 +81,9 @@ struct Fp8FwdTraits {
   // Ping-pong (one warpgroup's GEMMs under the other's softmax) pays at d64 /
   // d128, where the GEMMs are short next to the softmax. At d256 the two
   // warpgroups run better unsynchronized: +2% non-causal 8k, +3% causal 4k
-  // (H200, kernel-only A/B, session 10; d128 within +-0.6%).
+  // (H200, kernel-only A/B, session 10; d128 within +-0.6%). Re-measured
+  // with V^T from global memory (session 13, O still from registers):
+  // ping-pong at d256 -4% causal 4k, -2% non-causal 8k.
   static constexpr bool kPingPong = HeadDim < 256;
   static_assert(kBlockN % 32 == 0, "P.V consumes P in k32 slices");
 
