@@ -1,6 +1,7 @@
 // The fused FP8 quantize pre-pass. One CTA per (row block, head, batch) of one
-// tensor; each warp owns whole rows, each lane kD / 32 consecutive elements of
-// a row. The normalized fast Walsh-Hadamard transform runs in registers: the
+// tensor (at d64 / d128 staged in shared memory first, see quantize_kernel);
+// each warp owns whole rows, each lane kD / 32 consecutive elements of a row.
+// The normalized fast Walsh-Hadamard transform runs in registers: the
 // butterflies with stride < kD / 32 inside a lane, the rest across lanes with
 // shuffles. The block's rotated values stay in registers between the amax
 // reduction and the quantization, so the input is read once.
@@ -8,6 +9,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+#include <cute/arch/copy_sm80.hpp>
 
 #include "quantize.h"
 #include "params.h"
@@ -21,6 +24,7 @@ namespace {
 // d256 0.298 -> 0.205 (512) -> 0.176 ms (1024), d64 0.310 -> 0.285 (512;
 // 1024: 0.375).
 template <int kD> constexpr int kThreadsFor = kD >= 256 ? 1024 : 512;
+template <int kD> constexpr bool kStagedFor = kD <= 128;  // see quantize_kernel
 constexpr int kMaxBlockRows = 128;
 constexpr float kE4M3Max = 448.f;
 
@@ -51,7 +55,37 @@ quantize_kernel(const QuantParams p, int blocks0, int blocks1) {
   const int rows = min(qt.block_rows, qt.seq - row0);
   const int64_t row_stride = int64_t(qt.heads) * kD;
   const int64_t base = (int64_t(batch) * qt.seq + row0) * row_stride + int64_t(head) * kD + lane * kE;
-  const T* x = static_cast<const T*>(qt.x) + base;
+  // d64 / d128: the block is staged in shared memory first (cp.async, rows
+  // past seq as zeros), every load in flight at once and no registers held
+  // for them. Loading each row from global memory next to its Hadamard
+  // shuffles kept one load in flight per warp: d128 Q+K+V 0.211 -> 0.184 ms,
+  // d64 -25% (H200, session 13). At d256 (1024 threads, one CTA per SM) the
+  // staged CTA's load / compute / store phases no longer overlap another
+  // CTA's: 0.211 -> 0.229 ms, so d256 keeps the direct loads. (Hoisting all
+  // direct loads into registers instead: 82 registers at d128, spills at
+  // d256, slower at both.) The buffer later holds the V^T tile.
+  constexpr bool kStaged = kStagedFor<kD>;
+  extern __shared__ __align__(128) uint8_t staged[];
+  if constexpr (kStaged) {
+    constexpr int kChunksPerRow = kD * int(sizeof(T)) / 16;
+    const T* xblk = static_cast<const T*>(qt.x) + (int64_t(batch) * qt.seq + row0) * row_stride + int64_t(head) * kD;
+    for (int c = threadIdx.x; c < kMaxBlockRows * kChunksPerRow; c += kThreads) {
+      const int r = c / kChunksPerRow, k = c % kChunksPerRow;
+      uint4* dst = reinterpret_cast<uint4*>(staged) + c;
+      if (r < rows) {
+        cute::SM80_CP_ASYNC_CACHEGLOBAL<uint4>::copy(
+            *reinterpret_cast<const uint4*>(xblk + r * row_stride + k * (16 / int(sizeof(T)))), *dst);
+      } else {
+        *dst = make_uint4(0, 0, 0, 0);
+      }
+    }
+    cute::cp_async_fence();
+    cute::cp_async_wait<0>();
+    __syncthreads();
+  }
+  // This lane's part of block row 0 and the distance between rows.
+  const T* x = kStaged ? reinterpret_cast<const T*>(staged) + lane * kE : static_cast<const T*>(qt.x) + base;
+  const int64_t x_row = kStaged ? kD : row_stride;
 
   float sign[kE];
   #pragma unroll
@@ -65,13 +99,13 @@ quantize_kernel(const QuantParams p, int blocks0, int blocks1) {
     const int r = warp + i * kWarps;
     #pragma unroll
     for (int e = 0; e < kE; ++e) { v[i][e] = 0.f; }
-    if (r < rows) {
-      const auto raw = *reinterpret_cast<const Chunk<kE * sizeof(T)>*>(x + r * row_stride);
+    if (kStaged || r < rows) {
+      const auto raw = *reinterpret_cast<const Chunk<kE * sizeof(T)>*>(x + r * x_row);
       const T* xs = reinterpret_cast<const T*>(raw.b);
       #pragma unroll
       for (int e = 0; e < kE; ++e) { v[i][e] = to_float(xs[e]) * sign[e]; }
     }
-    if (qt.hadamard) {  // warp-uniform: r < rows is too, so the shuffles are safe
+    if (qt.hadamard) {  // CTA-uniform, so the shuffles are safe (rows past seq are zeros)
       #pragma unroll
       for (int h = 1; h < kE; h *= 2) {
         #pragma unroll
@@ -148,7 +182,8 @@ quantize_kernel(const QuantParams p, int blocks0, int blocks1) {
   // The 4-byte words of a row are XOR-swizzled by its 16-row group: a warp of
   // the second phase reads 4 columns (one word) of 8 row groups, which then
   // fall in 8 different banks (d >= 128).
-  __shared__ alignas(16) uint8_t tile[kMaxBlockRows * kD];
+  // The staging buffer is free: every thread read its rows before the amax barrier.
+  uint8_t* tile = staged;
   auto tile_off = [](int r, int dd) {
     constexpr int kGroups = kD / 16 < 8 ? kD / 16 : 8;
     return r * kD + ((((dd >> 2) ^ (((r >> 4) & (kGroups - 1)) << 2))) << 2) + (dd & 3);
@@ -194,7 +229,13 @@ cudaError_t launch_typed(const QuantParams& p, cudaStream_t stream) {
     total += counts[i];
   }
   if (total == 0) { return cudaSuccess; }
-  quantize_kernel<T, kD><<<unsigned(total), kThreadsFor<kD>, 0, stream>>>(p, counts[0], counts[1]);
+  // The staged block, or just the V^T tile.
+  constexpr int kSmem = kMaxBlockRows * kD * (kStagedFor<kD> ? int(sizeof(T)) : 1);
+  if (kSmem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(quantize_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) { return e; }
+  }
+  quantize_kernel<T, kD><<<unsigned(total), kThreadsFor<kD>, kSmem, stream>>>(p, counts[0], counts[1]);
   return cudaGetLastError();
 }
 
