@@ -54,6 +54,7 @@ for stage in "$@"; do
         done
       done; done 2>&1 | tee "$OUT/timing.log" ;;
     profile)  # ncu on PROFILE_SHAPES (B,T,N,D,CAUSAL ...), one launch each
+      # (read prof_*_sass.csv with scripts/ncu_regions.py: warp stalls per code region)
       for shape in ${PROFILE_SHAPES:-8,2048,16,128,1 8,2048,16,128,0}; do
         tag=$(echo "$shape" | tr , _)
         ncu --clock-control none --set full -k regex:fwd_kernel --launch-skip 3 --launch-count 1 \

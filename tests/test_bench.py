@@ -1,5 +1,6 @@
-"""benchmarks/bench.py pieces that need no GPU: FLOPs and the --clocks sampler
-(run against a stand-in nvidia-smi)."""
+"""Benchmark tooling that needs no GPU: bench.py's FLOPs and --clocks sampler
+(run against a stand-in nvidia-smi), scripts/ncu_regions.py on a synthetic export."""
+import csv
 import importlib.util
 import os
 import pathlib
@@ -77,3 +78,31 @@ def test_results_csv_round_trip_and_replot(tmp_path):
   rc = b.main(["--replot", str(path), "--out", str(out)])
   if b.pyplot() is not None:  # the plot needs matplotlib; the table does not
     assert rc == 0 and (out / "bench.png").stat().st_size > 1000
+
+
+def test_ncu_regions_groups_by_execution_count(tmp_path, capsys):
+  """scripts/ncu_regions.py: consecutive instructions with one execution count form
+  a region, whose share of the samples and top stall are reported."""
+  spec = importlib.util.spec_from_file_location("ncu_regions", ROOT / "scripts" / "ncu_regions.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  hdr = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+         "stall_wait", "stall_barrier", "stall_wait (Not Issued)"]
+  rows = [["0x0", "IMAD R1, R2, R3", "10", "16", "10", "0", "0"],      # per tile
+          ["0x10", "@P0 BRA 0x40", "30", "16", "0", "30", "0"],
+          ["0x20", "MUFU.EX2 R4, R4", "50", "256", "45", "5", "0"],    # per block
+          ["0x30", "FADD R5, R5, R4", "10", "256", "10", "0", "0"]]
+  path = tmp_path / "src.csv"
+  with open(path, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["Kernel Name", "k"])
+    w.writerow(hdr)
+    w.writerows(rows)
+  assert mod.main([str(path), "--min-share", "0", "--top", "1"]) == 0
+  out = capsys.readouterr().out
+  regions = [l for l in out.split("hottest")[0].splitlines()[2:] if l.strip()]
+  shares = [[t for t in l.split() if t.endswith("%")][0] for l in regions]
+  assert shares == ["40.0%", "60.0%"], out
+  assert "barrier:30.0" in regions[0] and "BRAx1" in regions[0]
+  assert "wait:55.0" in regions[1] and "MUFUx1" in regions[1]
+  assert "MUFU.EX2" in out.split("hottest")[1]
