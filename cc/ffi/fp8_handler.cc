@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include "xla/ffi/api/ffi.h"
 
+#include "fwd_knobs.h"
 #include "sm_count.h"
 
 #include "../fp8/params.h"
@@ -162,6 +163,7 @@ ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   p.window_left = (window_left < 0 || window_left >= p.t) ? -1 : window_left;
   p.window_right = (window_right < 0 || window_right >= p.s) ? -1 : window_right;
   p.num_sms = sm_count();
+  apply_env_knobs(p);  // JAX_FA3_CAUSAL_ORDER / _PINGPONG, as for the 16-bit forward
   fp.q_scale = q_scale.typed_data();
   fp.k_scale = k_scale.typed_data();
   fp.v_scale = v_scale.typed_data();
@@ -242,6 +244,7 @@ __attribute__((visibility("default"))) int jax_fa3_fp8_fwd_launch(const jax_fa3:
                                                                   int out_dtype, cudaStream_t stream) {
   jax_fa3::Fp8FwdParams params = *p;
   if (params.base.num_sms == 0) { params.base.num_sms = jax_fa3::sm_count(); }
+  jax_fa3::apply_env_knobs(params.base);
   const jax_fa3::Fp8FwdKernelEntry* e = jax_fa3::find_kernel(jax_fa3::DType(out_dtype), params);
   return e == nullptr ? -1 : int(e->launch(params, stream));
 }

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include "xla/ffi/api/ffi.h"
 
+#include "fwd_knobs.h"
 #include "sm_count.h"
 
 #include "../fwd/params.h"
@@ -48,20 +49,6 @@ const char* pick_variant(const FwdParams& p, DType dtype) {
     if ((unmasked && p.t >= 1024) || (causal_like && p.t >= 4096)) { return "m192"; }
   }
   return "default";
-}
-
-// Benchmark knobs (A/B runs in one build); defaults are the measured best.
-void apply_env_knobs(FwdParams& p) {
-  static const int order = [] {
-    const char* v = std::getenv("JAX_FA3_CAUSAL_ORDER");
-    return (v && std::strcmp(v, "mmajor") == 0) ? 1 : 0;
-  }();
-  static const bool pingpong = [] {
-    const char* v = std::getenv("JAX_FA3_CAUSAL_PINGPONG");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  p.causal_order = order;
-  p.pingpong_masked = pingpong;
 }
 
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
