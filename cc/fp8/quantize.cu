@@ -58,12 +58,14 @@ quantize_kernel(const QuantParams p, int blocks0, int blocks1) {
   // d64 / d128: the block is staged in shared memory first (cp.async, rows
   // past seq as zeros), every load in flight at once and no registers held
   // for them. Loading each row from global memory next to its Hadamard
-  // shuffles kept one load in flight per warp: Q+K+V with V^T, 16k tokens,
-  // d128 0.211 -> 0.185 ms, d64 0.316 -> 0.202 (H200, session 13). At d256 (1024 threads, one CTA per SM) the
-  // staged CTA's load / compute / store phases no longer overlap another
-  // CTA's: 0.211 -> 0.229 ms, so d256 keeps the direct loads. (Hoisting all
-  // direct loads into registers instead: 82 registers at d128, spills at
-  // d256, slower at both.) The buffer later holds the V^T tile.
+  // shuffles kept one load in flight per warp. Q+K+V with V^T, 16k tokens:
+  // d128 0.211 -> 0.185 ms, d64 0.316 -> 0.202 (H200, session 13). At d256
+  // (1024 threads, one CTA per SM) the staged CTA's load / compute / store
+  // phases no longer overlap another CTA's (0.211 -> 0.229 ms), so d256
+  // keeps the direct loads. Also measured slower: all direct loads hoisted
+  // into registers (82 registers at d128, spills at d256), and persistent
+  // CTAs staging the next block while quantizing this one (d64 0.220, d128
+  // 0.193, d256 0.213). The buffer later holds the V^T tile.
   constexpr bool kStaged = kStagedFor<kD>;
   extern __shared__ __align__(128) uint8_t staged[];
   if constexpr (kStaged) {
