@@ -3,6 +3,7 @@
 // check what the kernels rely on and fill the parameter structs; block sizes
 // and scale shapes are decided in Python (jax_fa3/fp8.py) and checked here.
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -62,20 +63,17 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   const ffi::AnyBuffer* ins[3] = {&q, &k, &v};
   ffi::Result<ffi::AnyBuffer>* outs[3] = {&q8, &k8, &v8};
   ffi::Result<ffi::Buffer<ffi::F32>>* scales[3] = {&qs, &ks, &vs};
-  // Outputs: e4m3 of the input's shape; V^T [B, K, H, fp8_vt_seq(S)] (params.h) when v_transposed.
-  for (int i = 0; i < 3; ++i) {
-    auto in = ins[i]->dimensions(), out = (*outs[i])->dimensions();
-    const bool vt = i == 2 && v_transposed != 0;
-    const bool out_ok = out.size() == 4 &&
-        (vt ? out[0] == in[0] && out[1] == in[2] && out[2] == in[3] && out[3] == fp8_vt_seq(in[1], p.d)
-            : out[0] == in[0] && out[1] == in[1] && out[2] == in[2] && out[3] == in[3]);
-    if (!out_ok) { return ffi::Error::InvalidArgument(std::string(who) + "e4m3 output has the wrong shape"); }
-  }
   if (v_transposed != 0 && block_kv != fp8_block_n(p.d)) {
     return ffi::Error::InvalidArgument(std::string(who) + "V^T output needs block_kv = the kernel's key block");
   }
   for (int i = 0; i < 3; ++i) {
-    auto dims = ins[i]->dimensions();
+    auto dims = ins[i]->dimensions(), out = (*outs[i])->dimensions();
+    // e4m3 of the input's shape; V^T [B, K, H, fp8_vt_seq(S)] (params.h) when v_transposed.
+    const bool vt = i == 2 && v_transposed != 0;
+    const bool out_ok = out.size() == 4 &&
+        (vt ? out[0] == dims[0] && out[1] == dims[2] && out[2] == dims[3] && out[3] == fp8_vt_seq(dims[1], p.d)
+            : out[0] == dims[0] && out[1] == dims[1] && out[2] == dims[2] && out[3] == dims[3]);
+    if (!out_ok) { return ffi::Error::InvalidArgument(std::string(who) + "e4m3 output has the wrong shape"); }
     QuantTensor& t = p.t[i];
     t.x = ins[i]->untyped_data();
     t.out = (*outs[i])->untyped_data();
@@ -85,7 +83,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     t.block_rows = i == 0 ? block_q : block_kv;
     t.hadamard = hadamard != 0 && i < 2;  // V: block scales only
     t.pow2 = i == 2;  // V: power-of-two scales (the kernel folds their ratios into P)
-    t.transpose = i == 2 && v_transposed != 0;
+    t.transpose = vt;
     t.fixed_scale = per_tensor ? fixed_scales.typed_data() + i : nullptr;
     if (t.block_rows <= 0 ||
         (*scales[i])->element_count() != size_t(p.b * t.heads * ceil_div(t.seq, t.block_rows))) {
@@ -108,7 +106,7 @@ const Fp8FwdKernelEntry* find_kernel(DType out_dtype, const Fp8FwdParams& fp) {
   const char* variant = fp.v_transposed ? "vt" : "default";
   for (int i = 0; i < kNumFp8FwdKernels; ++i) {
     const Fp8FwdKernelEntry& e = kFp8FwdKernels[i];
-    if (e.out_dtype == out_dtype && e.head_dim == fp.base.d && std::string(e.variant) == variant) { return &e; }
+    if (e.out_dtype == out_dtype && e.head_dim == fp.base.d && std::strcmp(e.variant, variant) == 0) { return &e; }
   }
   return nullptr;
 }
