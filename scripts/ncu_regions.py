@@ -27,7 +27,8 @@ def _num(x: str) -> float:
 
 
 def load(path: str):
-  rows = list(csv.reader(open(path, newline="")))
+  with open(path, newline="") as f:
+    rows = list(csv.reader(f))
   # The first row names the kernel; the header follows.
   start = next(i for i, r in enumerate(rows) if "Source" in r and "Address" in r)
   hdr, data = rows[start], rows[start + 1:]
