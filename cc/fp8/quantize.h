@@ -15,6 +15,7 @@ struct QuantTensor {
   void* out = nullptr;     // e4m3, same shape
   float* scales = nullptr;
   int seq = 0, heads = 0, block_rows = 0;
+  int num_rb = 0;          // ceil(seq / block_rows), set by launch_fp8_quantize
   bool hadamard = false;   // rotate rows by diag(signs) * H_d / sqrt(d) first
   const float* fixed_scale = nullptr;  // non-null: per-tensor mode, use *fixed_scale
   // Scales rounded up to a power of two, an all-zero block FLT_MIN (V: the
