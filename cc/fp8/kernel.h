@@ -91,17 +91,25 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
     pv.role = is_transposer ? Role::Consumer : (is_producer ? Role::Producer : Role::NonParticipant);
     pv.num_consumers = Traits::kNumTransposeThreads;
   }
-  typename PipelineVt::Params pvt;
-  pvt.role = is_transposer ? PipelineVt::ThreadCategory::Producer
-                           : (is_producer ? PipelineVt::ThreadCategory::NonParticipant
-                                          : PipelineVt::ThreadCategory::Consumer);
-  pvt.producer_arv_count = Traits::kNumTransposeThreads;
-  pvt.consumer_arv_count = Traits::kNumMmaThreads;
+  // The V^T ring exists only where the transposers fill it.
+  auto make_pipe_vt = [&] {
+    if constexpr (Traits::kVtInGmem) {
+      return cute::tuple<>{};
+    } else {
+      typename PipelineVt::Params pvt;
+      pvt.role = is_transposer ? PipelineVt::ThreadCategory::Producer
+                               : (is_producer ? PipelineVt::ThreadCategory::NonParticipant
+                                              : PipelineVt::ThreadCategory::Consumer);
+      pvt.producer_arv_count = Traits::kNumTransposeThreads;
+      pvt.consumer_arv_count = Traits::kNumMmaThreads;
+      return PipelineVt(smem.pipe_vt, pvt);
+    }
+  };
 
   PipelineQ pipe_q(smem.pipe_q, pq, Shape<_1, _1, _1>{});
   PipelineKV pipe_k(smem.pipe_k, pk, Shape<_1, _1, _1>{});
   PipelineKV pipe_v(smem.pipe_v, pv, Shape<_1, _1, _1>{});
-  PipelineVt pipe_vt(smem.pipe_vt, pvt);
+  auto pipe_vt = make_pipe_vt();
   __syncthreads();  // barrier init visible to all
 
   Scheduler scheduler(p, kBlockM);

@@ -164,7 +164,7 @@ struct Fp8FwdTraits {
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineKV::SharedStorage pipe_k;
     typename PipelineKV::SharedStorage pipe_v;
-    typename PipelineVt::SharedStorage pipe_vt;
+    std::conditional_t<VtInGmem, char, typename PipelineVt::SharedStorage> pipe_vt;  // V^T ring: transposers only
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds shared memory");
