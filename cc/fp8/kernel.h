@@ -172,13 +172,16 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
     // stages are released at other times than K stages).
     auto& pipe_vsrc = pick_ref<Traits::kVtInGmem>(pipe_v, pipe_vt);
     auto state_vt = typename std::remove_reference_t<decltype(pipe_vsrc)>::PipelineState{};
-    const int num_m = (p.t + kBlockM - 1) / kBlockM;
+    // Q scales come per kFp8BlockM rows; this warpgroup's 64 rows lie in one.
+    const int num_qs = (p.t + kFp8BlockM - 1) / kFp8BlockM;
+    const int wg_row = (mma_tid / cutlass::NumThreadsPerWarpGroup) * 64;
     const int num_n = (p.s + kBlockN - 1) / kBlockN;
     const float scale_log2 = p.scale * 1.44269504088896340736f;
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
       const int q_len = min(p.q_lens[tile.batch], p.t);
       const int kv_head = tile.head / (p.n / p.kh);
-      const float q_scale = params.q_scale[(int64_t(tile.batch) * p.n + tile.head) * num_m + tile.m_block];
+      const float q_scale = params.q_scale[(int64_t(tile.batch) * p.n + tile.head) * num_qs +
+                                           min((tile.m_block * kBlockM + wg_row) / kFp8BlockM, num_qs - 1)];
       const int64_t kv_row = (int64_t(tile.batch) * p.kh + kv_head) * num_n;
       TileMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
                                       p.window_left, p.window_right);
@@ -186,7 +189,22 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       clear(acc_o);
       typename Mainloop::Softmax softmax;
       pipe_q.consumer_wait(state_q);
-      const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, scale_log2 * q_scale,
+      // With 192-row tiles the warpgroup's own rows decide its reference V
+      // scale (mainloop.h): a causal tile's last blocks are masked for its
+      // first warpgroup, and a reference taken over them would put every
+      // P_j it sees through a ratio vs_j / vs_ref < 1 before the e4m3 cast
+      // (with amax V scales, not powers of two, that changed the rounding of
+      // a causal problem's first rows: RMSE +17%, session 15). 128-row tiles
+      // keep the tile's range (the same without a left window; the per-
+      // warpgroup mask cost d256 0.6%).
+      int ref_lo = mask.n_block_min, ref_hi = mask.n_block_max;
+      if constexpr (kBlockM > kFp8BlockM) {
+        const TileMask<64, kBlockN> wg_mask(tile.m_block * (kBlockM / 64) + wg_row / 64, q_len,
+                                            min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+        if (!wg_mask.empty()) { ref_lo = wg_mask.n_block_min; ref_hi = wg_mask.n_block_max; }  // else rows past q_len
+      }
+      const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, ref_lo, ref_hi,
+                                         scale_log2 * q_scale,
                                          params.k_scale + kv_row, params.v_scale + kv_row,
                                          pipe_k, state_kv, pipe_vsrc, state_vt, softmax, acc_o);
       pipe_q.consumer_release(state_q);  // O has its own buffer: Q is dead

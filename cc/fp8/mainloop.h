@@ -80,7 +80,7 @@ struct Fp8ConsumerMainloop {
   // unchanged: O * correction_{j-1} + P_{j-1} V_{j-1}, in this order.
   template <class PipelineKV, class StateKV, class PipelineVt, class StateVt, class TO>
   CUTE_DEVICE float run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
-                        const TileMask<kBlockM, kBlockN>& mask, float q_to_log2,
+                        const TileMask<kBlockM, kBlockN>& mask, int ref_lo, int ref_hi, float q_to_log2,
                         const float* k_scale, const float* v_scale,
                         PipelineKV& pipe_k, StateKV& state_kv, PipelineVt& pipe_vt, StateVt& state_vt,
                         Softmax& softmax, TO& acc_o) {
@@ -104,14 +104,15 @@ struct Fp8ConsumerMainloop {
     // max was -inf) and O is still zero then, so it stays zero.
     float correction[kRows];
 
-    // vs_ref: the largest V scale among the tile's blocks (P_j carries the
-    // ratio vs_j / vs_ref <= 1, so P stays within e4m3's range). Formed while
+    // vs_ref: the largest V scale among the blocks [ref_lo, ref_hi) this
+    // warpgroup's rows see (P_j carries the ratio vs_j / vs_ref <= 1, so P
+    // stays within e4m3's range; blocks outside are fully masked, P = 0). Formed while
     // the first S GEMM runs, the lanes of each warp taking every 32nd block
     // (one L2 round trip, then a shuffle max); it was a serial loop before
     // that GEMM, 2-4 L2 round trips at the start of every tile.
     float vs_ref = 0.f, log2_vs_ref = 0.f;
     auto find_vs_ref = [&] {
-      for (int n = mask.n_block_min + int(threadIdx.x % 32); n < mask.n_block_max; n += 32) {
+      for (int n = ref_lo + int(threadIdx.x % 32); n < ref_hi; n += 32) {
         vs_ref = fmaxf(vs_ref, v_scale[n]);
       }
       CUTLASS_PRAGMA_UNROLL

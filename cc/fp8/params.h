@@ -2,7 +2,7 @@
 // instantiation. Plain data only (host code includes it without CuTe).
 //
 // Scale layout (float32, row-major), one scale per block the kernel consumes:
-//   q_scale [b, n,  ceil(t / kBlockM)]   kBlockM = 128 for every head dim
+//   q_scale [b, n,  ceil(t / kFp8BlockM)]   kFp8BlockM = 128 for every head dim
 //   k_scale [b, kh, ceil(s / kBlockN)]   kBlockN = fp8_block_n(d) below
 //   v_scale [b, kh, ceil(s / kBlockN)]
 // Dequantized value = e4m3 value * scale. Per-tensor scaling is the same
@@ -24,6 +24,9 @@
 namespace jax_fa3 {
 
 constexpr int kFp8BlockM = 128;
+#ifndef JAX_FA3_FP8_D64_BLOCK_M
+#define JAX_FA3_FP8_D64_BLOCK_M 192  // query rows per d64 kernel tile (fp8/traits.h); 128 or 192
+#endif
 constexpr int fp8_block_n(int /*head_dim*/) { return 128; }  // every head dim (fp8/traits.h)
 #if defined(__CUDACC__)
 #define JAX_FA3_HOST_DEVICE __host__ __device__

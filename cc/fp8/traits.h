@@ -32,7 +32,17 @@ struct Fp8FwdTraits {
   using ElementO = ElementO_;
   using ElementAccum = float;
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kBlockM = kFp8BlockM;
+  // Query rows per tile: kFp8BlockM (the Q scale block), or 192 at d64
+  // (JAX_FA3_FP8_D64_BLOCK_M): three consumer warpgroups of 64 rows, each
+  // reading the Q scale of the 128-row block its rows lie in. At d64 a
+  // warpgroup's softmax of a 128-key block outlasts its two GEMMs, so two
+  // warpgroups left the tensor cores idle; a third keeps them fed. H200,
+  // kernel-only, V^T / in-kernel transpose: non-causal 8k +24% / +18%,
+  // causal 4k +10% / +8%, causal 2k -2.5% / -3% (session 15). d128 cannot
+  // follow: at 160 registers (below) its O (64) + S (64) + P make ptxas
+  // serialize the QGMMAs (C7512), and 192 x 64-key tiles lost 3-13%.
+  static constexpr int kBlockM = HeadDim == 64 ? JAX_FA3_FP8_D64_BLOCK_M : kFp8BlockM;
+  static_assert(kBlockM % 64 == 0 && kFp8BlockM % 64 == 0, "a warpgroup's rows share one Q scale");
   static constexpr int kBlockN = fp8_block_n(HeadDim);
   // d256 takes 128-key blocks like d64/d128 (fp8_block_n). With 64-key
   // blocks every block paid the O rescale (64 x 256 FMULs per warpgroup: the
@@ -72,8 +82,8 @@ struct Fp8FwdTraits {
   // transposer runs as far ahead as the K/V ring allows. As many stages
   // (<= 4) as shared memory holds: 4 at d64 / d128, 2 at d256.
   static constexpr int kVtStageBytes = kBlockN * HeadDim;  // e4m3
-  static constexpr int kSmemBytesFixed = kFp8BlockM * HeadDim + 2 * kStages * kVtStageBytes +
-                                         (kStageO ? kFp8BlockM * HeadDim * int(sizeof(ElementO)) : 0);
+  static constexpr int kSmemBytesFixed = kBlockM * HeadDim + 2 * kStages * kVtStageBytes +
+                                         (kStageO ? kBlockM * HeadDim * int(sizeof(ElementO)) : 0);
   // kVtInGmem: V^T tiles sit in the V ring (kStages deep).
   static constexpr int kStagesVt = VtInGmem ? kStages
                                  : kSmemBytesFixed + 4 * kVtStageBytes + 1024 <= 227 * 1024 ? 4
@@ -101,8 +111,10 @@ struct Fp8FwdTraits {
   // d128 +1-2% over 40/232 (H200, kernel-only A/B, session 10; the producer's
   // few spills sit in the TMA thread's code, none in the transpose loop).
   // d64 keeps 40/232 (not measured at 24; it spills 48 B there).
-  static constexpr int kProducerRegs = HeadDim >= 128 ? 24 : 40;
-  static constexpr int kConsumerRegs = HeadDim >= 128 ? 240 : 232;
+  // Three consumer warpgroups (512 threads, a pool of 128 per thread):
+  // P + 3 C <= 512, so 32 / 160.
+  static constexpr int kProducerRegs = kBlockM == 192 ? 32 : HeadDim >= 128 ? 24 : 40;
+  static constexpr int kConsumerRegs = kBlockM == 192 ? 160 : HeadDim >= 128 ? 240 : 232;
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <=
                     (65536 / kNumThreads) / 8 * 8 * kNumThreads,
