@@ -110,9 +110,11 @@ struct Fp8FwdTraits {
   // registers -- the GPU hang.) d128 / d256 take the forward's 24/240: at
   // d128 +1-2% over 40/232 (H200, kernel-only A/B, session 10; the producer's
   // few spills sit in the TMA thread's code, none in the transpose loop).
-  // d64 keeps 40/232 (not measured at 24; it spills 48 B there).
-  // Three consumer warpgroups (512 threads, a pool of 128 per thread):
-  // P + 3 C <= 512, so 32 / 160.
+  // d64 with 128-row tiles (JAX_FA3_FP8_D64_BLOCK_M=128) keeps 40/232 (not
+  // measured at 24; it spills 48 B there).
+  // Three consumer warpgroups (d64's 192-row tile: 512 threads, a pool of
+  // 128 per thread): P + 3 C <= 512, so 32 / 160 (ptxas: 76 B of spills with
+  // a 24-register producer, 36 B with 32).
   static constexpr int kProducerRegs = kBlockM == 192 ? 32 : HeadDim >= 128 ? 24 : 40;
   static constexpr int kConsumerRegs = kBlockM == 192 ? 160 : HeadDim >= 128 ? 240 : 232;
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
