@@ -58,7 +58,8 @@ quantize_kernel(const QuantParams p) {
   const int row0 = rb * qt.block_rows;
   const int rows = min(qt.block_rows, qt.seq - row0);
   const int64_t row_stride = int64_t(qt.heads) * kD;
-  const int64_t base = (int64_t(batch) * qt.seq + row0) * row_stride + int64_t(head) * kD + lane * kE;
+  // Element offset of this block's first row, in x and (e4m3) in out.
+  const int64_t blk = (int64_t(batch) * qt.seq + row0) * row_stride + int64_t(head) * kD;
   // d64 / d128: the block is staged in shared memory first (cp.async, rows
   // past seq as zeros), every load in flight at once and no registers held
   // for them. Loading each row from global memory next to its Hadamard
@@ -74,7 +75,7 @@ quantize_kernel(const QuantParams p) {
   extern __shared__ __align__(128) uint8_t staged[];
   if constexpr (kStaged) {
     constexpr int kChunksPerRow = kD * int(sizeof(T)) / 16;
-    const T* xblk = static_cast<const T*>(qt.x) + (int64_t(batch) * qt.seq + row0) * row_stride + int64_t(head) * kD;
+    const T* xblk = static_cast<const T*>(qt.x) + blk;
     for (int c = threadIdx.x; c < kMaxBlockRows * kChunksPerRow; c += kThreads) {
       const int r = c / kChunksPerRow, k = c % kChunksPerRow;
       uint4* dst = reinterpret_cast<uint4*>(staged) + c;
@@ -90,7 +91,7 @@ quantize_kernel(const QuantParams p) {
     __syncthreads();
   }
   // This lane's part of block row 0 and the distance between rows.
-  const T* x = kStaged ? reinterpret_cast<const T*>(staged) + lane * kE : static_cast<const T*>(qt.x) + base;
+  const T* x = kStaged ? reinterpret_cast<const T*>(staged) + lane * kE : static_cast<const T*>(qt.x) + blk + lane * kE;
   const int64_t x_row = kStaged ? kD : row_stride;
 
   float sign[kE];
@@ -172,7 +173,7 @@ quantize_kernel(const QuantParams p) {
     return bytes;
   };
   if (!qt.transpose) {
-    uint8_t* out = static_cast<uint8_t*>(qt.out) + base;
+    uint8_t* out = static_cast<uint8_t*>(qt.out) + blk + lane * kE;
     #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const int r = warp + i * kWarps;
