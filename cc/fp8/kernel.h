@@ -174,14 +174,15 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
     auto state_vt = typename std::remove_reference_t<decltype(pipe_vsrc)>::PipelineState{};
     // Q scales come per kFp8BlockM rows; this warpgroup's 64 rows lie in one.
     const int num_qs = (p.t + kFp8BlockM - 1) / kFp8BlockM;
-    const int wg_row = (mma_tid / cutlass::NumThreadsPerWarpGroup) * 64;
+    constexpr int kRowsPerWG = Traits::kRowsPerWG;
+    const int wg = mma_tid / cutlass::NumThreadsPerWarpGroup;
     const int num_n = (p.s + kBlockN - 1) / kBlockN;
     const float scale_log2 = p.scale * 1.44269504088896340736f;
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
       const int q_len = min(p.q_lens[tile.batch], p.t);
       const int kv_head = tile.head / (p.n / p.kh);
       const float q_scale = params.q_scale[(int64_t(tile.batch) * p.n + tile.head) * num_qs +
-                                           min((tile.m_block * kBlockM + wg_row) / kFp8BlockM, num_qs - 1)];
+                                           min((tile.m_block * kBlockM + wg * kRowsPerWG) / kFp8BlockM, num_qs - 1)];
       const int64_t kv_row = (int64_t(tile.batch) * p.kh + kv_head) * num_n;
       TileMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
                                       p.window_left, p.window_right);
@@ -199,8 +200,8 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       // warpgroup mask cost d256 0.6%).
       int ref_lo = mask.n_block_min, ref_hi = mask.n_block_max;
       if constexpr (kBlockM > kFp8BlockM) {
-        const TileMask<64, kBlockN> wg_mask(tile.m_block * (kBlockM / 64) + wg_row / 64, q_len,
-                                            min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+        const TileMask<kRowsPerWG, kBlockN> wg_mask(tile.m_block * (kBlockM / kRowsPerWG) + wg, q_len,
+                                                    min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         if (!wg_mask.empty()) { ref_lo = wg_mask.n_block_min; ref_hi = wg_mask.n_block_max; }  // else rows past q_len
       }
       const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, ref_lo, ref_hi,

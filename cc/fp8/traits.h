@@ -115,8 +115,8 @@ struct Fp8FwdTraits {
   // Three consumer warpgroups (d64's 192-row tile: 512 threads, a pool of
   // 128 per thread): P + 3 C <= 512, so 32 / 160 (ptxas: 76 B of spills with
   // a 24-register producer, 36 B with 32).
-  static constexpr int kProducerRegs = kBlockM == 192 ? 32 : HeadDim >= 128 ? 24 : 40;
-  static constexpr int kConsumerRegs = kBlockM == 192 ? 160 : HeadDim >= 128 ? 240 : 232;
+  static constexpr int kProducerRegs = kNumMmaWarpGroups == 3 ? 32 : HeadDim >= 128 ? 24 : 40;
+  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 3 ? 160 : HeadDim >= 128 ? 240 : 232;
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <=
                     (65536 / kNumThreads) / 8 * 8 * kNumThreads,
