@@ -144,12 +144,12 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
                                         min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         num_v_tiles += max(mask.n_block_max - mask.n_block_min, 0);
       }
-      int share = t_warp;  // Transposer::kRotate: rotates over the tiles
+      int share = t_warp;  // rotates over the tiles (transpose.h)
       for (int i = 0; i < num_v_tiles; ++i) {
         pipe_v.consumer_wait(state_v);
         pipe_vt.producer_acquire(state_vt);
         Transposer::transpose(smem, lane, share, state_v.index(), state_vt.index());
-        if constexpr (Transposer::kRotate) { share = share == Transposer::kWarps - 1 ? 0 : share + 1; }
+        share = share == Transposer::kWarps - 1 ? 0 : share + 1;
         pipe_vt.producer_commit(state_vt);
         pipe_v.consumer_release(state_v);
         ++state_v;
