@@ -25,6 +25,14 @@ namespace {
 // d256 0.298 -> 0.205 (512) -> 0.176 ms (1024), d64 0.310 -> 0.285 (512;
 // 1024: 0.375).
 template <int kD> constexpr int kThreadsFor = kD >= 256 ? 1024 : 512;
+// CTAs per SM the register budget must allow (launch bounds). Without a
+// minimum ptxas gave d128 50 registers: 2 CTAs (1024 threads) per SM; capped
+// at 40 (no spills) 3 fit: Q + K + V, 16k tokens, V^T 0.174 -> 0.159 ms,
+// plain 0.141 -> 0.126 (H200, session 16; 4 CTAs at 32 registers spill and
+// gave 0.137). d64 needs its 4 stated: with a minimum of 1 ptxas takes 56
+// registers and the pre-pass slows by 16%. d256 (one 1024-thread CTA per SM)
+// spills 156 B at the 32 registers two would need, and measured 4% slower.
+template <int kD> constexpr int kMinCtasFor = kD == 64 ? 4 : kD == 128 ? 3 : 1;
 template <int kD> constexpr bool kStagedFor = kD <= 128;  // see quantize_kernel
 constexpr int kMaxBlockRows = 128;
 constexpr float kE4M3Max = 448.f;
@@ -37,7 +45,7 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <int kBytes> struct alignas(kBytes) Chunk { uint8_t b[kBytes]; };
 
 template <class T, int kD>
-__global__ void __launch_bounds__(kThreadsFor<kD>)
+__global__ void __launch_bounds__(kThreadsFor<kD>, kMinCtasFor<kD>)
 quantize_kernel(const QuantParams p) {
   constexpr int kThreads = kThreadsFor<kD>, kWarps = kThreads / 32;
   constexpr int kE = kD / 32;                     // elements per lane
