@@ -49,7 +49,7 @@ struct Fp8FwdTraits {
   // V block scale changes the factor every block) and a ping-pong hand-off
   // for half the GEMM work; ncu showed the tensor pipe ~37% busy. The price
   // is registers and shared memory, paid by kStageO and kIntraWgOverlap
-  // below (and the transposer's slice batch, transpose.h).
+  // below.
   //
   // O leaves through shared memory, each consumer warpgroup storing its 64
   // rows with one TMA store (fwd/epilogue.h), wherever the 64 KB of bf16
