@@ -1,10 +1,12 @@
 // The fused FP8 quantize pre-pass. One CTA per (row block, head, batch) of one
-// tensor (at d64 / d128 staged in shared memory first, see quantize_kernel);
-// each warp owns whole rows, each lane kD / 32 consecutive elements of a row.
-// The normalized fast Walsh-Hadamard transform runs in registers: the
-// butterflies with stride < kD / 32 inside a lane, the rest across lanes with
-// shuffles. The block's rotated values stay in registers between the amax
-// reduction and the quantization, so the input is read once.
+// tensor (at d64 / d128 staged in shared memory first, see quantize_kernel).
+// A row is owned by kLanesPerRow lanes, each holding kGroups groups of 4
+// consecutive elements, the groups 4 * kLanesPerRow elements apart. The
+// normalized fast Walsh-Hadamard transform runs in registers in ascending
+// stride order: strides 1, 2 inside a group, then the strides across the
+// row's lanes with shuffles, then those between a lane's groups. The block's
+// rotated values stay in registers between the amax reduction and the
+// quantization, so the input is read once.
 #include <algorithm>
 #include <cfloat>
 #include <cuda_bf16.h>
@@ -40,16 +42,26 @@ constexpr float kE4M3Max = 448.f;
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
-// A lane's kD / 32 consecutive elements move as one vector access (8 B of
-// bf16 and 4 B of e4m3 per lane at d128: full 256 B / 128 B rows per warp).
-template <int kBytes> struct alignas(kBytes) Chunk { uint8_t b[kBytes]; };
+// Lanes per row (session 16; before, every head dim had a row per warp, each
+// lane kD / 32 consecutive elements, i.e. 5 shuffle rounds per element).
+// Staged d64: 4 (one row per thread, 2 rounds); d128: 8 (2 rows per thread,
+// 3 rounds; ptxas spills 28 B at the 40-register cap). d256 (direct loads,
+// 1024 threads): a row per warp, 4 rows per lane. Q + K + V, 16k tokens, H200,
+// ms, V^T / plain: d64 0.175 -> 0.160 / 0.146 -> 0.127; d128 4 lanes 0.170 /
+// 0.137, 8 lanes 0.159 / 0.119, 32 lanes 0.172 / 0.130 (the old code: 0.159 /
+// 0.126); d256 0.212 -> 0.215 / 0.178 -> 0.175 (its 8-byte instead of 16-byte
+// loads). The butterflies are the same operations in the same stride order
+// for every choice: the output is bit for bit the old one.
+template <int kD> constexpr int kLanesPerRowFor = kD == 64 ? 4 : kD == 128 ? 8 : 32;
 
 template <class T, int kD>
 __global__ void __launch_bounds__(kThreadsFor<kD>, kMinCtasFor<kD>)
 quantize_kernel(const QuantParams p) {
   constexpr int kThreads = kThreadsFor<kD>, kWarps = kThreads / 32;
-  constexpr int kE = kD / 32;                     // elements per lane
-  constexpr int kRowsPerWarp = kMaxBlockRows / kWarps;
+  constexpr int kLanesPerRow = kLanesPerRowFor<kD>;
+  constexpr int kGroups = kD / (4 * kLanesPerRow);  // 4-element groups per lane and row
+  constexpr int kRowsPerLane = kMaxBlockRows * kLanesPerRow / kThreads;
+  static_assert(kGroups >= 1 && kRowsPerLane >= 1 && kMaxBlockRows * kLanesPerRow % kThreads == 0);
   __shared__ float warp_amax[kWarps];
 
   // Grid (row block, head, tensor x batch), sized for the largest tensor; a
@@ -86,7 +98,10 @@ quantize_kernel(const QuantParams p) {
     const T* xblk = static_cast<const T*>(qt.x) + blk;
     for (int c = threadIdx.x; c < kMaxBlockRows * kChunksPerRow; c += kThreads) {
       const int r = c / kChunksPerRow, k = c % kChunksPerRow;
-      uint4* dst = reinterpret_cast<uint4*>(staged) + c;
+      // 16-byte chunks XOR-swizzled by row % 8: a warp's 8-byte loads below
+      // (8 rows x 4 lanes at d64, 4 x 8 at d128) then spread over the banks
+      // instead of every row meeting in the same ones.
+      uint4* dst = reinterpret_cast<uint4*>(staged) + r * kChunksPerRow + (k ^ (r % 8));
       if (r < rows) {
         cute::SM80_CP_ASYNC_CACHEGLOBAL<uint4>::copy(
             *reinterpret_cast<const uint4*>(xblk + r * row_stride + k * (16 / int(sizeof(T)))), *dst);
@@ -98,50 +113,95 @@ quantize_kernel(const QuantParams p) {
     cute::cp_async_wait<0>();
     __syncthreads();
   }
-  // This lane's part of block row 0 and the distance between rows.
-  const T* x = kStaged ? reinterpret_cast<const T*>(staged) + lane * kE : static_cast<const T*>(qt.x) + blk + lane * kE;
-  const int64_t x_row = kStaged ? kD : row_stride;
-
-  float sign[kE];
-  #pragma unroll
-  for (int e = 0; e < kE; ++e) { sign[e] = qt.hadamard ? p.signs[lane * kE + e] : 1.f; }
+  // Lane's row i and the first element of its group g.
+  auto row_of = [&](int i) { return (warp * 32 + lane) / kLanesPerRow + i * (kThreads / kLanesPerRow); };
+  auto col_of = [&](int g) { return g * 4 * kLanesPerRow + 4 * (lane % kLanesPerRow); };
+  // Group g of row i: 4 elements (8 bytes), from the staged block or global
+  // memory. The staged rows of a lane share r % 8 (rows i apart differ by a
+  // multiple of 8), so each address is one base plus a constant.
+  const uint8_t* lane_src;
+  if constexpr (kStaged) {
+    const int r = row_of(0);
+    lane_src = staged + r * kD * int(sizeof(T)) + ((lane % kLanesPerRow) % 2) * 8;
+  } else {
+    lane_src = reinterpret_cast<const uint8_t*>(static_cast<const T*>(qt.x) + blk + row_of(0) * row_stride + col_of(0));
+  }
+  const int lane_swz = row_of(0) % 8;
+  static_assert((kThreads / kLanesPerRow) % 8 == 0);
+  auto load4 = [&](int i, int g) {
+    if constexpr (kStaged) {
+      const int chunk = (col_of(g) * int(sizeof(T)) / 16) ^ lane_swz;
+      return *reinterpret_cast<const uint2*>(lane_src + i * (kThreads / kLanesPerRow) * kD * int(sizeof(T)) +
+                                             chunk * 16);
+    } else {
+      return *reinterpret_cast<const uint2*>(lane_src + (i * (kThreads / kLanesPerRow) * row_stride +
+                                                         g * 4 * kLanesPerRow) * int(sizeof(T)));
+    }
+  };
   const float norm = qt.hadamard ? rsqrtf(float(kD)) : 1.f;
 
-  float v[kRowsPerWarp][kE];
+  float v[kRowsPerLane][kGroups][4];
   float amax = 0.f;
   #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = warp + i * kWarps;
+  for (int i = 0; i < kRowsPerLane; ++i) {
+    const int r = row_of(i);
     #pragma unroll
-    for (int e = 0; e < kE; ++e) { v[i][e] = 0.f; }
-    if (kStaged || r < rows) {
-      const auto raw = *reinterpret_cast<const Chunk<kE * sizeof(T)>*>(x + r * x_row);
-      const T* xs = reinterpret_cast<const T*>(raw.b);
+    for (int g = 0; g < kGroups; ++g) {
       #pragma unroll
-      for (int e = 0; e < kE; ++e) { v[i][e] = to_float(xs[e]) * sign[e]; }
+      for (int e = 0; e < 4; ++e) { v[i][g][e] = 0.f; }
+      if (kStaged || r < rows) {
+        const uint2 raw = load4(i, g);
+        const T* xs = reinterpret_cast<const T*>(&raw);
+        const float4 sg = qt.hadamard ? *reinterpret_cast<const float4*>(p.signs + col_of(g))
+                                      : make_float4(1.f, 1.f, 1.f, 1.f);
+        v[i][g][0] = to_float(xs[0]) * sg.x;
+        v[i][g][1] = to_float(xs[1]) * sg.y;
+        v[i][g][2] = to_float(xs[2]) * sg.z;
+        v[i][g][3] = to_float(xs[3]) * sg.w;
+      }
     }
     if (qt.hadamard) {  // CTA-uniform, so the shuffles are safe (rows past seq are zeros)
+      // Elements a, b at indices j < j + h become a + b, a - b: the same
+      // operations in the same stride order for every layout.
+      auto bfly = [](float& a, float& b) { const float x = a, y = b; a = x + y; b = x - y; };
       #pragma unroll
-      for (int h = 1; h < kE; h *= 2) {
-        #pragma unroll
-        for (int e = 0; e < kE; ++e) {
-          if ((e & h) == 0) { float a = v[i][e], b = v[i][e + h]; v[i][e] = a + b; v[i][e + h] = a - b; }
-        }
+      for (int g = 0; g < kGroups; ++g) {  // strides 1, 2
+        bfly(v[i][g][0], v[i][g][1]); bfly(v[i][g][2], v[i][g][3]);
+        bfly(v[i][g][0], v[i][g][2]); bfly(v[i][g][1], v[i][g][3]);
       }
       #pragma unroll
-      for (int m = 1; m < 32; m *= 2) {  // stride m * kE: partner lane ^ m
+      for (int m = 1; m < kLanesPerRow; m *= 2) {  // stride 4m: partner lane ^ m
         const bool upper = lane & m;
         #pragma unroll
-        for (int e = 0; e < kE; ++e) {
-          float other = __shfl_xor_sync(0xffffffff, v[i][e], m);
-          v[i][e] = upper ? other - v[i][e] : v[i][e] + other;
+        for (int g = 0; g < kGroups; ++g) {
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float other = __shfl_xor_sync(0xffffffff, v[i][g][e], m);
+            v[i][g][e] = upper ? other - v[i][g][e] : v[i][g][e] + other;
+          }
         }
       }
       #pragma unroll
-      for (int e = 0; e < kE; ++e) { v[i][e] *= norm; }
+      for (int h = 1; h < kGroups; h *= 2) {  // stride 4 * kLanesPerRow * h: groups g, g + h
+        #pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
+          if ((g & h) == 0) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) { bfly(v[i][g][e], v[i][g + h][e]); }
+          }
+        }
+      }
+      #pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) { v[i][g][e] *= norm; }
+      }
     }
     #pragma unroll
-    for (int e = 0; e < kE; ++e) { amax = fmaxf(amax, fabsf(v[i][e])); }
+    for (int g = 0; g < kGroups; ++g) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) { amax = fmaxf(amax, fabsf(v[i][g][e])); }
+    }
   }
   #pragma unroll
   for (int m = 16; m > 0; m /= 2) { amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, m)); }
@@ -169,23 +229,25 @@ quantize_kernel(const QuantParams p) {
   const float inv = 1.f / scale;
   if (threadIdx.x == 0) { qt.scales[(int64_t(batch) * qt.heads + head) * num_rb + rb] = scale; }
 
-  auto quantized = [&](int i) {
-    Chunk<kE> bytes;
-    #pragma unroll
-    for (int e = 0; e < kE; e += 2) {
-      __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
-          make_float2(v[i][e] * inv, v[i][e + 1] * inv), __NV_SATFINITE, __NV_E4M3);
-      bytes.b[e] = uint8_t(two & 0xff);
-      bytes.b[e + 1] = uint8_t(two >> 8);
-    }
-    return bytes;
+  // Group g of row i as 4 e4m3 bytes.
+  auto quantized = [&](int i, int g) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[i][g][0] * inv, v[i][g][1] * inv),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[i][g][2] * inv, v[i][g][3] * inv),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    return lo | (hi << 16);
   };
   if (!qt.transpose) {
-    uint8_t* out = static_cast<uint8_t*>(qt.out) + blk + lane * kE;
+    uint8_t* out = static_cast<uint8_t*>(qt.out) + blk;
     #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      const int r = warp + i * kWarps;
-      if (r < rows) { *reinterpret_cast<Chunk<kE>*>(out + r * row_stride) = quantized(i); }
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int r = row_of(i);
+      if (r < rows) {
+        #pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
+          *reinterpret_cast<uint32_t*>(out + r * row_stride + col_of(g)) = quantized(i, g);
+        }
+      }
     }
     return;
   }
@@ -196,17 +258,24 @@ quantize_kernel(const QuantParams p) {
   // chunk holding 16 positions of one head-dim column in vt_key_of order.
   // The 4-byte words of a row are XOR-swizzled by its 16-row group: a warp of
   // the second phase reads 4 columns (one word) of 8 row groups, which then
-  // fall in 8 different banks (d >= 128).
+  // fall in 8 different banks (d >= 128). Staged, also by the row's place
+  // among the rows one 4-byte write of a warp covers (d128: 4 rows x 8 lanes,
+  // r % 8, 2-way conflicts instead of 4-way; d64: 8 rows x 4 lanes, two rows
+  // per 32 banks, (r / 2) % 4, none instead of 4-way); the 8 rows a reading
+  // warp touches share that part, so the reads keep their banks.
   // The staging buffer is free: every thread read its rows before the amax barrier.
   uint8_t* tile = staged;
   auto tile_off = [](int r, int dd) {
-    constexpr int kGroups = kD / 16 < 8 ? kD / 16 : 8;
-    return r * kD + ((((dd >> 2) ^ (((r >> 4) & (kGroups - 1)) << 2))) << 2) + (dd & 3);
+    constexpr int kRowGroups = kD / 16 < 8 ? kD / 16 : 8;
+    const int swz = ((r >> 4) ^ (!kStaged ? 0 : kD >= 128 ? r : r >> 1)) & (kRowGroups - 1);
+    return r * kD + (((dd >> 2) ^ (swz << 2)) << 2) + (dd & 3);
   };
   #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = warp + i * kWarps;
-    *reinterpret_cast<Chunk<kE>*>(tile + tile_off(r, lane * kE)) = quantized(i);
+  for (int i = 0; i < kRowsPerLane; ++i) {
+    #pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      *reinterpret_cast<uint32_t*>(tile + tile_off(row_of(i), col_of(g))) = quantized(i, g);
+    }
   }
   __syncthreads();
   const int64_t seq_pad = int64_t(num_rb) * kMaxBlockRows;
