@@ -116,9 +116,10 @@ quantize_kernel(const QuantParams p) {
   // Lane's row i and the first element of its group g.
   auto row_of = [&](int i) { return (warp * 32 + lane) / kLanesPerRow + i * (kThreads / kLanesPerRow); };
   auto col_of = [&](int g) { return g * 4 * kLanesPerRow + 4 * (lane % kLanesPerRow); };
-  // Group g of row i: 4 elements (8 bytes), from the staged block or global
-  // memory. The staged rows of a lane share r % 8 (rows i apart differ by a
-  // multiple of 8), so each address is one base plus a constant.
+  // Group g of row i: 4 elements (8 bytes), from the staged block (with the
+  // copy's chunk ^ (r % 8) swizzle above) or global memory. The staged rows
+  // of a lane share r % 8 (rows i apart differ by a multiple of 8), so each
+  // address is one base plus a constant.
   const uint8_t* lane_src;
   if constexpr (kStaged) {
     const int r = row_of(0);
