@@ -32,7 +32,10 @@ struct BwdKernelParams {
   BwdTileOrder tiles;
 };
 
-template <class Traits>
+// Deterministic (== params.bwd.deterministic) is a kernel parameter: it picks
+// the dQ protocol in the mainloop (BwdTraits::kDeferDqIssue), and as a run-time
+// branch there it cost the default path spills and half its gain.
+template <class Traits, bool Deterministic>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
 #if defined(__CUDA_ARCH__) && !defined(CUTLASS_ARCH_MMA_SM90A_ENABLED)
@@ -116,7 +119,7 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
       const int group = p.n / p.kh;
       auto heads = [&](auto softcap) {
         for (int g = 0; g < group; ++g) {
-          mainloop.template run_head<decltype(softcap)::value>(
+          mainloop.template run_head<decltype(softcap)::value, Deterministic>(
               p, smem, mma_tid, mask, n_block, kv_head * group + g, batch, pipe_qdo, state, acc_dk, acc_dv);
         }
       };
@@ -185,7 +188,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       Traits::make_tma_dkv(static_cast<Element*>(p.dv), layout(p.s, p.kh, p.b)),
       tiles,
   };
-  auto kernel = bwd_kernel<Traits>;
+  auto kernel = p.deterministic ? bwd_kernel<Traits, true> : bwd_kernel<Traits, false>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }

@@ -62,7 +62,8 @@ struct BwdMainloop {
 
   // Softcap is a template parameter: the plain path then keeps neither the
   // raw scores nor the tanh-derivative selects live (registers are tight).
-  template <bool Softcap, class PipelineQdO, class StateQdO, class TKV>
+  // So is Deterministic (== p.deterministic; a kernel parameter, kernel.h).
+  template <bool Softcap, bool Deterministic, class PipelineQdO, class StateQdO, class TKV>
   CUTE_DEVICE void run_head(const BwdParams& p, typename Traits::SharedStorage& smem, int mma_tid,
                             const Mask& mask, int n_block, int head, int batch,
                             PipelineQdO& pipe, StateQdO& state, TKV& acc_dk, TKV& acc_dv) {
@@ -110,12 +111,61 @@ struct BwdMainloop {
     const int64_t row_base = (int64_t(batch) * p.n + head) * p.t_pad;
     const int num_m_sem = p.t_pad / kBlockM;
 
+    auto dq_block = [&](int m) { return p.dq_accum + (row_base + m * kBlockM) * kHeadDim; };
+    auto dq_semaphore = [&](int m) { return p.semaphore + (int64_t(batch) * p.n + head) * num_m_sem + m; };
+    // Bulk dQ path. stage_dq writes the fp32 block into smem in fragment order
+    // (dq_accum.h: the same order as the block in the accumulator; no
+    // barrier, the caller has made the buffer free); issue_dq makes every
+    // thread's staging visible and lets one thread add the block with a bulk
+    // reduce while the others move on.
+    auto stage_dq = [&](auto& acc, int chunk) {
+      float* sdq = smem.dq.data() + dq_buf * (kBlockM * kHeadDim);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < DqLayout::kFrag; i += 4) {
+        *reinterpret_cast<float4*>(sdq + DqLayout::offset(chunk, mma_tid, i)) =
+            make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3));
+      }
+    };
+    auto issue_dq = [&](int m) {
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQReady);
+      if (mma_tid == 0) {
+        int* sem = dq_semaphore(m);
+        if constexpr (Deterministic) {
+          spin_until(sem, mask.dq_turn(n_block, m));
+          asm volatile("fence.proxy.async.global;" ::: "memory");  // acquire -> async-proxy adds
+        }
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                     :: "l"(dq_block(m)), "r"(cute::cast_smem_ptr_to_uint(smem.dq.data() + dq_buf * (kBlockM * kHeadDim))),
+                        "r"(int(kBlockM * kHeadDim * sizeof(float)))
+                     : "memory");
+        tma_store_arrive();
+        if constexpr (Deterministic) {
+          // Complete (not only read out) before handing the turn on.
+          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          __threadfence();
+          atomicAdd(sem, 1);
+        }
+      }
+      if constexpr (Traits::kDqBufs > 1) { dq_buf ^= 1; }
+    };
+    // Register path: the query block whose dQ is staged but not yet issued
+    // (Traits::kDeferDqIssue). Its barrier and bulk reduce wait until the next
+    // block's S/dP GEMMs are in flight, so they no longer sit between dK and
+    // the next block's GEMMs.
+    int dq_pending = -1;
+
     for (int m_block = mask.m_block_min; m_block < mask.m_block_max; ++m_block) {
       Tensor tSrS = partition_fragment_C(mma_sdp, TileSdP{});
       Tensor tSrdP = partition_fragment_C(mma_sdp, TileSdP{});
       pipe.consumer_wait(state);
       warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), tSrS);
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), tSrdP);
+      if (dq_pending >= 0) {
+        issue_dq(dq_pending);
+        dq_pending = -1;
+      }
       const float* lse_s = smem.lse.data() + state.index() * kBlockM;
       const float* delta_s = smem.delta.data() + state.index() * kBlockM;
       Tensor s = as_rowcol(tSrS);
@@ -181,80 +231,69 @@ struct BwdMainloop {
       }
       convert_into(tSrdP, rdS);
       Tensor acc_dq = partition_fragment_C(mma_q, TileQc{});
-      // dQ(m block) += this key block's share, reduced in L2.
+      // dQ(m block) += this key block's share, reduced in L2. The bulk path
+      // stages the block (stage_dq) and issues its reduce later (issue_dq).
       auto reduce_dq = [&] {
-        int* sem = p.semaphore + (int64_t(batch) * p.n + head) * num_m_sem + m_block;
-        const int turn = mask.dq_turn(n_block, m_block);
-        float* dq = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim;
-        CUTLASS_PRAGMA_UNROLL
-        for (int chunk = 0; chunk < kDqChunks; ++chunk) {
-          if (chunk > 0) {
-            warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
-          }
-          if (!p.dq_atomic) {
-            // Stage the fp32 block in smem in fragment order (dq_accum.h: the same
-            // order as the block in the accumulator) and let one thread add it
-            // with a bulk reduce; the other threads move on. The buffer is reused once that reduce has
-            // read it (bulk-group wait by the issuing thread, then FREE).
-            if (chunk == 0) {
+        if (!p.dq_atomic) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int chunk = 0; chunk < kDqChunks; ++chunk) {
+            if (chunk > 0) {
+              warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
+            } else {
               // Each reduce is one bulk group: with two buffers only the
               // latest (the other buffer's) may still be reading.
               if (mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
               cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQFree);
             }
-            float* sdq = smem.dq.data() + dq_buf * (kBlockM * kHeadDim);
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < DqLayout::kFrag; i += 4) {
-              *reinterpret_cast<float4*>(sdq + DqLayout::offset(chunk, mma_tid, i)) =
-                  make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
-            }
-          } else {
-            if (chunk == 0 && p.deterministic) { wait_turn(sem, turn, mma_tid); }
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < DqLayout::kFrag; ++i) { atomicAdd(dq + DqLayout::offset(chunk, mma_tid, i), acc_dq(i)); }
+            stage_dq(acc_dq, chunk);
+          }
+          issue_dq(m_block);
+          return;
+        }
+        int* sem = dq_semaphore(m_block);
+        if constexpr (Deterministic) { wait_turn(sem, mask.dq_turn(n_block, m_block), mma_tid); }
+        float* dq = dq_block(m_block);
+        CUTLASS_PRAGMA_UNROLL
+        for (int chunk = 0; chunk < kDqChunks; ++chunk) {
+          if (chunk > 0) {
+            warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
+          }
+          // A thread's 4 consecutive fragment values are 16 contiguous bytes
+          // (dq_accum.h), so each warp reduces 512 contiguous bytes per RED.
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < DqLayout::kFrag; i += 4) {
+            atomicAdd(reinterpret_cast<float4*>(dq + DqLayout::offset(chunk, mma_tid, i)),
+                      make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3)));
           }
         }
-        if (!p.dq_atomic) {
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQReady);
-          if (mma_tid == 0) {
-            if (p.deterministic) {
-              spin_until(sem, turn);
-              asm volatile("fence.proxy.async.global;" ::: "memory");  // acquire -> async-proxy adds
-            }
-            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                         :: "l"(dq), "r"(cute::cast_smem_ptr_to_uint(smem.dq.data() + dq_buf * (kBlockM * kHeadDim))),
-                            "r"(int(kBlockM * kHeadDim * sizeof(float)))
-                         : "memory");
-            tma_store_arrive();
-            if (p.deterministic) {
-              // Complete (not only read out) before handing the turn on.
-              asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-              asm volatile("fence.proxy.async.global;" ::: "memory");
-              __threadfence();
-              atomicAdd(sem, 1);
-            }
-          }
-        } else if (p.deterministic) {
-          pass_turn(sem, mma_tid);
-        }
-        if constexpr (Traits::kDqBufs > 1) { dq_buf ^= 1; }
+        if constexpr (Deterministic) { pass_turn(sem, mma_tid); }
       };
       if constexpr (!Traits::kStagePdS) {
         // Stage dS: the other warpgroup's dQ GEMM of the previous block is done
         // reading (FREE), and all rows are written before any dQ GEMM (READY).
+        // The same FREE also frees this block's dQ staging buffer: thread 0
+        // waits first for the bulk reduce that last read it (two blocks back).
+        if (!p.dq_atomic && mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
         copy(r2s, thr_r2s.retile_S(rdS), tR2SsdS);
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSReady);
 
-        // dQ first: its reduction (smem staging, barriers, bulk add) then runs
-        // while the tensor cores still work on dK, instead of after both.
+        // dQ first: its staging then runs while the tensor cores still work on dK.
         warpgroup_gemm<true, -1>(mma_q, tQrdS, tQrKt(0), acc_dq);
         warpgroup_gemm<false, -1>(mma_kv, tKVrdS, tKVrQt(_, _, _, state.index()), acc_dk);
         warpgroup_wait<1>();  // dV and dQ retired
         warpgroup_fence_operand(acc_dq);
-        reduce_dq();
+        if (!p.dq_atomic) {
+          stage_dq(acc_dq, 0);
+          if constexpr (Traits::kDeferDqIssue && !Deterministic) {
+            dq_pending = m_block;
+          } else {
+            issue_dq(m_block);
+          }
+        } else {
+          reduce_dq();
+        }
         warpgroup_wait<0>();
         // P and dS fed RS WGMMAs: keep their registers live until those retired.
         warpgroup_fence_operand(tKVrP);
@@ -283,8 +322,8 @@ struct BwdMainloop {
       // Staged path: after the release, so the next Q/dO load (one stage at
       // d256) overlaps it; later dQ chunks read only dS and K, not the stage.
       if constexpr (Traits::kStagePdS) { reduce_dq(); }
-
     }
+    if (dq_pending >= 0) { issue_dq(dq_pending); }
   }
 };
 
