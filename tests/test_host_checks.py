@@ -51,16 +51,16 @@ def test_bwd_tile_order_is_a_permutation(tmp_path):
   # All three orders were exercised, and some plans split the last wave.
   assert {l.split("order=")[1].split()[0] for l in plans} == {"0", "1", "2"}
   assert {l.split("pieces=")[1].split()[0] for l in plans} - {"1"}
-  # The default chunk width depends on the working set (chunk_for): 32 for
-  # short sequences, 128 for long ones (and the override widths 5 and 128).
+  # The default chunk width depends on the working set (chunk_for): 16 or 32
+  # for short sequences, 128 for long ones (and the override widths 5 and 128).
   chunks = {l.split("chunk=")[1].split()[0] for l in plans}
-  assert chunks == {"5", "32", "128"}, chunks
+  assert chunks == {"5", "16", "32", "128"}, chunks
   # chunk_for on the sweep's shapes (measured, RESULTS.md session 11) and on
   # GQA 16/4, whose few long key blocks keep the narrow chunk.
   rule = dict(l.split()[1:] for l in lines if l.startswith("rule "))
   assert rule == {"d128_8k": "chunk=32", "d128_16k": "chunk=128", "d256_4k": "chunk=32",
                   "d256_8k": "chunk=128", "d64_16k": "chunk=32",
-                  "gqa16_4_d128_8k": "chunk=32"}, rule
+                  "gqa16_4_d128_8k": "chunk=32", "d128_4k": "chunk=16", "d64_4k": "chunk=16"}, rule
 
 
 def test_fp8_v_transpose_places_every_byte(tmp_path):

@@ -271,9 +271,13 @@ struct BwdMainloop {
       if constexpr (!Traits::kStagePdS) {
         // Stage dS: the other warpgroup's dQ GEMM of the previous block is done
         // reading (FREE), and all rows are written before any dQ GEMM (READY).
-        // The same FREE also frees this block's dQ staging buffer: thread 0
-        // waits first for the bulk reduce that last read it (two blocks back).
-        if (!p.dq_atomic && mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
+        // The same FREE also frees this block's dQ staging buffer
+        // (Traits::kDqFreeWithdS): thread 0 waits first for the bulk reduce
+        // that last read it (two blocks back). At d64 reduce_dq waits on the
+        // buffer's own FREE barrier instead, just before staging.
+        constexpr bool kDefer = Traits::kDeferDqIssue && !Deterministic;
+        constexpr bool kFreeWithdS = Traits::kDqFreeWithdS;
+        if (kFreeWithdS && !p.dq_atomic && mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
         copy(r2s, thr_r2s.retile_S(rdS), tR2SsdS);
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
@@ -284,9 +288,9 @@ struct BwdMainloop {
         warpgroup_gemm<false, -1>(mma_kv, tKVrdS, tKVrQt(_, _, _, state.index()), acc_dk);
         warpgroup_wait<1>();  // dV and dQ retired
         warpgroup_fence_operand(acc_dq);
-        if (!p.dq_atomic) {
+        if (kFreeWithdS && !p.dq_atomic) {
           stage_dq(acc_dq, 0);
-          if constexpr (Traits::kDeferDqIssue && !Deterministic) {
+          if (kDefer) {
             dq_pending = m_block;
           } else {
             issue_dq(m_block);

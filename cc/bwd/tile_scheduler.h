@@ -48,14 +48,18 @@ struct BwdTileOrder {
   // d128 16k (4 x 16 MB) 514 at 32 or 64, 523 at 128; d256 8k 415 at 64,
   // 423-424 at 128 or 256; d256 16k 438 at 128, 435 at 256; d128 32k 535 at
   // 128, 537 at 256; d128 4k and d64 16k equal at 32 / 64 / 128.
+  // Narrower still, kNarrowChunk = 16 where even its working set fits (shorter
+  // tails; 2026-12-01, 2 x 300 calls: d128 4k +0.9%, d64 4k +0.4%; d256 4k,
+  // where it does not fit, lost 1.5% at 16).
   // BwdParams::chunk (JAX_FA3_BWD_CHUNK) overrides it.
-  static constexpr int kDefaultChunk = 32, kWideChunk = 128, kWideMinUnitsPerSm = 15;
+  static constexpr int kDefaultChunk = 32, kNarrowChunk = 16, kWideChunk = 128, kWideMinUnitsPerSm = 15;
   static constexpr double kL2Budget = 40.0 * (1 << 20);
   static int chunk_for(const BwdParams& p, int num_units) {
     const double head_bytes = double(p.t) * (p.n / p.kh) * p.d * (2 + 2 + 4);  // Q, dO (16-bit), dQ fp32
     const int sms = p.num_sms > 0 ? p.num_sms : 132;
-    const bool overflows_l2 = double(sms) / kDefaultChunk * head_bytes > kL2Budget;
-    return overflows_l2 && num_units >= kWideMinUnitsPerSm * sms ? kWideChunk : kDefaultChunk;
+    auto fits = [&](int chunk) { return double(sms) / chunk * head_bytes <= kL2Budget; };
+    if (fits(kNarrowChunk)) { return kNarrowChunk; }
+    return !fits(kDefaultChunk) && num_units >= kWideMinUnitsPerSm * sms ? kWideChunk : kDefaultChunk;
   }
   // A split share should keep several query blocks: each CTA also pays for
   // the K/V load, the fp32 combine and the epilogue (shares of 5 blocks made

@@ -8,7 +8,7 @@
 //   dV  += P^T dO  (RS, dO read MN-major)             [kBlockN x d]
 //   dK  += dS^T Q  (RS, Q read MN-major)              [kBlockN x d]
 //   dQ   = dS K    (SS, dS staged in smem, K read MN-major; the two warpgroups
-//                   split d)                          [kBlockM x d]
+//                   split d, or d64's 128 query rows) [kBlockM x d]
 // Large head dims (kStagePdS, see BwdTileConfig) stage P as well and run dV/dK
 // as SS GEMMs with the warpgroups splitting d; dQ may go in column chunks.
 #pragma once
@@ -80,12 +80,19 @@ struct BwdTraits {
 
   // Register path: warpgroups split the key rows (M) of S^T, dP^T, dK, dV.
   // Staged path: they split the query columns (N) of S^T, dP^T and the head
-  // dim (N) of dK, dV. Both split the head dim (N) of dQ.
+  // dim (N) of dK, dV. dQ: see kDqSplitRows.
   using AtomLayoutM = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
   using AtomLayoutN = Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>;
   using AtomLayoutSdP = std::conditional_t<kStagePdS, AtomLayoutN, AtomLayoutM>;
   using AtomLayoutKV = std::conditional_t<kStagePdS, AtomLayoutN, AtomLayoutM>;
-  using AtomLayoutQ = AtomLayoutN;
+  // dQ: where the query block has a 64-row tile per warpgroup (d64's 128-row
+  // blocks) they split its rows, else its head dim. Splitting rows keeps the
+  // WGMMA at N = d (n64 at d64, not n32: half the instructions) and each
+  // warpgroup reads only its own half of dS from shared memory (d64 +2.5% on an
+  // H200, same registers).
+  static constexpr bool kDqSplitRows = kBlockM == 64 * kNumMmaWarpGroups;
+  using AtomLayoutQ = std::conditional_t<kDqSplitRows, AtomLayoutM, AtomLayoutN>;
+  static constexpr int kDqAtomN = kHeadDim / kDqChunks / (kDqSplitRows ? 1 : kNumMmaWarpGroups);
   static constexpr int kSdPAtomN = kStagePdS ? kBlockM / kNumMmaWarpGroups : kBlockM;
   static constexpr int kKVAtomN = kStagePdS ? kHeadDim / kNumMmaWarpGroups : kHeadDim;
 
@@ -101,7 +108,7 @@ struct BwdTraits {
       AtomLayoutKV{}));
   using TiledMmaQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum,
-                           Shape<_64, Int<kHeadDim / kDqChunks / kNumMmaWarpGroups>, Int<kBlockN>>,
+                           Shape<_64, Int<kDqAtomN>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayoutQ{}));
 
@@ -147,6 +154,11 @@ struct BwdTraits {
   // 80 -> 168 B, 10-12% slower). Never in deterministic mode (5-6% slower there:
   // every semaphore hand-off to the next key block comes later).
   static constexpr bool kDeferDqIssue = !kStagePdS && HeadDim != 64;
+  // Register path: the dQ staging buffer is freed by the dS FREE barrier
+  // (BwdMainloop), not by a barrier of its own. Not at d64: its own barrier
+  // just before staging measured 1-2% faster there (deterministic: 4%), while
+  // d128's deterministic kernel lost 1% with it (H200, 2026-12-01).
+  static constexpr bool kDqFreeWithdS = !kStagePdS && HeadDim != 64;
 
   using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;  // Q and dO share a stage barrier
   using PipelineKV = cutlass::PipelineTmaAsync<1>;
