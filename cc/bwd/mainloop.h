@@ -118,8 +118,9 @@ struct BwdMainloop {
     // barrier, the caller has made the buffer free); issue_dq makes every
     // thread's staging visible and lets one thread add the block with a bulk
     // reduce while the others move on.
+    auto dq_stage = [&] { return smem.dq.data() + dq_buf * (kBlockM * kHeadDim); };
     auto stage_dq = [&](auto& acc, int chunk) {
-      float* sdq = smem.dq.data() + dq_buf * (kBlockM * kHeadDim);
+      float* sdq = dq_stage();
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < DqLayout::kFrag; i += 4) {
         *reinterpret_cast<float4*>(sdq + DqLayout::offset(chunk, mma_tid, i)) =
@@ -136,7 +137,7 @@ struct BwdMainloop {
           asm volatile("fence.proxy.async.global;" ::: "memory");  // acquire -> async-proxy adds
         }
         asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                     :: "l"(dq_block(m)), "r"(cute::cast_smem_ptr_to_uint(smem.dq.data() + dq_buf * (kBlockM * kHeadDim))),
+                     :: "l"(dq_block(m)), "r"(cute::cast_smem_ptr_to_uint(dq_stage())),
                         "r"(int(kBlockM * kHeadDim * sizeof(float)))
                      : "memory");
         tma_store_arrive();

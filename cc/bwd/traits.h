@@ -147,18 +147,18 @@ struct BwdTraits {
   // dQ staging buffers: two on the register path (d <= 128: 209 KB of smem at
   // d128); the staged path (d >= 192) has no room for a second.
   static constexpr int kDqBufs = kStagePdS ? 1 : 2;
-  // Register path: issue a block's dQ bulk reduce (barrier + bulk copy) only
-  // once the next block's S/dP GEMMs are in flight, so the tensor cores do not
-  // idle across the loop turn (BwdMainloop; d128 +2.5-3.6% on an H200). Not at
-  // d64: its 128-row blocks leave no registers for the longer-lived state (stack
-  // 80 -> 168 B, 10-12% slower). Never in deterministic mode (5-6% slower there:
-  // every semaphore hand-off to the next key block comes later).
-  static constexpr bool kDeferDqIssue = !kStagePdS && HeadDim != 64;
   // Register path: the dQ staging buffer is freed by the dS FREE barrier
   // (BwdMainloop), not by a barrier of its own. Not at d64: its own barrier
   // just before staging measured 1-2% faster there (deterministic: 4%), while
   // d128's deterministic kernel lost 1% with it (H200, 2026-12-01).
   static constexpr bool kDqFreeWithdS = !kStagePdS && HeadDim != 64;
+  // Issue a block's dQ bulk reduce (barrier + bulk copy) only once the next
+  // block's S/dP GEMMs are in flight, so the tensor cores do not idle across
+  // the loop turn (BwdMainloop; d128 +2.5-3.6% on an H200). Needs the folded
+  // free barrier above; at d64 it also cost registers (stack 80 -> 168 B,
+  // 10-12% slower). Never in deterministic mode (5-6% slower there: every
+  // semaphore hand-off to the next key block comes later).
+  static constexpr bool kDeferDqIssue = kDqFreeWithdS;
 
   using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;  // Q and dO share a stage barrier
   using PipelineKV = cutlass::PipelineTmaAsync<1>;
