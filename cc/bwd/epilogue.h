@@ -1,6 +1,9 @@
-// Epilogue of the main backward kernel: dK (times the softmax scale) and dV,
-// converted to the input dtype, are staged in the K and V shared-memory
-// buffers and leave through one TMA store each. (Stores straight from the
+// Epilogue of one tile of the main backward kernel: dK (times the softmax
+// scale) and dV, converted to the input dtype, are staged in the dQ staging
+// buffer (free once the tile's last dQ bulk reduce has read it; K and V may
+// already take the next tile's loads) and leave through one TMA store each.
+// The stores are not waited for here: the next tile's first dQ staging and the
+// kernel's exit wait (kernel.h). (Stores straight from the
 // accumulator fragments were 2-byte scatters, 8 partial sectors per warp
 // instruction, at the end of every CTA with nothing to hide them.)
 // GQA needs no reduction here: the CTA already summed over the query heads
@@ -64,8 +67,9 @@ struct BwdEpilogue {
     const BwdParams& p = params.bwd;
     typename Traits::TiledMmaKV mma_kv;
     auto thr_kv = mma_kv.get_thread_slice(mma_tid);
-    Tensor sdK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sdV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Element* stage = reinterpret_cast<Element*>(smem.dq.data());
+    Tensor sdK = make_tensor(make_smem_ptr(stage), typename Traits::SmemLayoutK{});
+    Tensor sdV = make_tensor(make_smem_ptr(stage + Traits::kdKVStageElems), typename Traits::SmemLayoutK{});
     Tensor rdK = make_tensor<Element>(acc_dk.layout());
     Tensor rdV = make_tensor<Element>(acc_dv.layout());
     if (sums == nullptr) {
@@ -80,8 +84,9 @@ struct BwdEpilogue {
         rdV(i) = Element(__ldcg(sums + (kFrag + i) * Traits::kNumMmaThreads + mma_tid));
       }
     }
-    // Both warpgroups' GEMMs that read K and V (the dQ GEMM reads all of K)
-    // have retired before either buffer is overwritten.
+    // The last dQ bulk reduce (and any earlier store) has read the buffer
+    // before anyone overwrites it; thread 0 issued them all.
+    if (mma_tid == 0) { tma_store_wait<0>(); }
     cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierEpilogue);
     copy(rdK, thr_kv.partition_C(sdK));
     copy(rdV, thr_kv.partition_C(sdV));
@@ -99,9 +104,6 @@ struct BwdEpilogue {
       store_one(params.tma_dk, sdK);
       store_one(params.tma_dv, sdV);
       tma_store_arrive();
-      // Shared memory must stay valid until the stores (and the last dQ bulk
-      // reduce) have read it.
-      tma_store_wait<0>();
     }
   }
 };

@@ -1,5 +1,6 @@
-// The warp-specialized backward kernel (one CTA per (key block, KV head,
-// batch), or per share of one: tile_scheduler.h) and the host launcher that
+// The warp-specialized backward kernel (persistent CTAs that each take tiles
+// of one (key block, KV head, batch), or a share of one: tile_scheduler.h,
+// until none is left) and the host launcher that
 // runs preprocess -> main -> postprocess on XLA's stream. Include from exactly
 // one generated .cu per (dtype, head dim).
 #pragma once
@@ -78,7 +79,6 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   pkv.num_consumers = Traits::kNumMmaThreads;
   PipelineQdO pipe_qdo(smem.pipe_qdo, pq, Shape<_1, _1, _1>{});
   PipelineKV pipe_kv(smem.pipe_kv, pkv, Shape<_1, _1, _1>{});
-  __syncthreads();  // barrier init visible to all
 
   // Built separately on each side of the register split: a value computed
   // before it and live into both sides gets a stack slot (the producer has
@@ -90,61 +90,108 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
     return mask;
   };
 
+  // Persistent CTAs: tile blockIdx.x first, then the next unclaimed index of
+  // the dispatch order (a global counter) until it runs out. The producer
+  // claims a tile as soon as it has issued the previous one's loads and hands
+  // it over through two shared-memory slots (Traits::PipelineTile's barriers),
+  // so the next tile's K, V, Q and dO load while the consumers finish a tile
+  // and run its epilogue (each CTA otherwise paid ~6 us per tile for the K/V
+  // load, pipeline ramp, epilogue and launch: RESULTS.md, session 18). Both
+  // sides drive the slot and K/V barriers from tile counts.
+  using PipelineTile = typename Traits::PipelineTile;
+  typename PipelineTile::Params pt;
+  pt.role = is_producer ? PipelineTile::ThreadCategory::Producer : PipelineTile::ThreadCategory::Consumer;
+  pt.producer_arv_count = 1;
+  pt.consumer_arv_count = Traits::kNumMmaThreads;
+  PipelineTile pipe_tile(smem.pipe_tile, pt);  // initializes the slot barriers
+  __syncthreads();  // barrier init visible to all
+  auto& tile_full = smem.pipe_tile.full_barrier_;
+  auto& tile_empty = smem.pipe_tile.empty_barrier_;
+
   if (is_producer) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (is_leader) {
-      const BwdTile tile = params.tiles(blockIdx.x);
-      const auto mask = make_mask(tile);
-      if (mask.m_block_max > mask.m_block_min) {
-        BwdProducer<Traits, Params>{params, smem}.run(tile.n_block, tile.kv_head, tile.batch, mask, pipe_kv,
-                                                      pipe_qdo);
+      const int num_tiles = params.tiles.num_ctas();
+      int* tile_counter = p.dkv_split != nullptr ? reinterpret_cast<int*>(p.dkv_split) + kBwdTileCounter : nullptr;
+      auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
+      auto state = cutlass::make_producer_start_state<PipelineQdO>();
+      int bid = blockIdx.x;
+      for (int it = 0;; ++it) {
+        tile_empty[it & 1].wait(((it >> 1) & 1) ^ 1);  // a producer's first pass finds the slot free
+        smem.tile_id[it & 1] = bid;
+        tile_full[it & 1].arrive();
+        if (bid >= num_tiles) { break; }
+        const BwdTile tile = params.tiles(bid);
+        const auto mask = make_mask(tile);
+        if (mask.m_block_max > mask.m_block_min) {
+          BwdProducer<Traits, Params>{params, smem}.run(tile.n_block, tile.kv_head, tile.batch, mask, pipe_kv,
+                                                        state_kv, pipe_qdo, state);
+        }
+        bid = tile_counter != nullptr ? int(gridDim.x) + atomicAdd(tile_counter, 1) : num_tiles;
       }
+      // Do not retire while loads this thread issued could still be landing.
+      pipe_qdo.producer_tail(state);
+      pipe_kv.producer_tail(state_kv);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
-    const BwdTile tile = params.tiles(blockIdx.x);
-    const int n_block = tile.n_block, kv_head = tile.kv_head, batch = tile.batch;
-    const auto mask = make_mask(tile);
-    const bool has_work = mask.m_block_max > mask.m_block_min;
-    Mainloop mainloop;
-    Tensor acc_dk = partition_fragment_C(mainloop.mma_kv, typename Traits::TileKV{});
-    Tensor acc_dv = partition_fragment_C(mainloop.mma_kv, typename Traits::TileKV{});
-    clear(acc_dk);
-    clear(acc_dv);
-    if (has_work) {
-      auto state_kv = typename PipelineKV::PipelineState{};
-      pipe_kv.consumer_wait(state_kv);
+    // One tile loop per softcap setting (uniform per launch), each holding one
+    // mainloop instantiation.
+    auto tile_loop = [&](auto softcap) {
+      const int mma_tid = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
+      Mainloop mainloop;
       auto state = typename PipelineQdO::PipelineState{};
-      const int group = p.n / p.kh;
-      auto heads = [&](auto softcap) {
-        for (int g = 0; g < group; ++g) {
-          mainloop.template run_head<decltype(softcap)::value, Deterministic>(
-              p, smem, mma_tid, mask, n_block, kv_head * group + g, batch, pipe_qdo, state, acc_dk, acc_dv);
-        }
-      };
-      if (p.softcap > 0.f) { heads(cute::true_type{}); } else { heads(cute::false_type{}); }
-    }
-    // A split key block's shares add up their dK/dV; all but the last to
-    // finish are done then (once their last dQ bulk reduce has read smem).
-    // The share is looked up again from a fresh read of the CTA index: kept
-    // live across the mainloop, it cost registers there (more spills).
-    const float* sums = nullptr;
-    if constexpr (Traits::kSplitTail) {
-      uint32_t bid;
-      asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
-      const BwdTile share = params.tiles(int(bid));
-      if (share.pieces > 1) {
-        sums = BwdEpilogue<Traits, Params>::combine_split(p, smem, mma_tid, share.slot, share.pieces, acc_dk, acc_dv);
-        if (sums == nullptr) {
+      int kv_tiles = 0;  // tiles that loaded K and V: the phase of their barrier
+      for (int it = 0;; ++it) {
+        tile_full[it & 1].wait((it >> 1) & 1);
+        const int bid = smem.tile_id[it & 1];
+        if (bid >= params.tiles.num_ctas()) { break; }
+        const BwdTile tile = params.tiles(bid);
+        const int n_block = tile.n_block, kv_head = tile.kv_head, batch = tile.batch;
+        const auto mask = make_mask(tile);
+        Tensor acc_dk = partition_fragment_C(mainloop.mma_kv, typename Traits::TileKV{});
+        Tensor acc_dv = partition_fragment_C(mainloop.mma_kv, typename Traits::TileKV{});
+        clear(acc_dk);
+        clear(acc_dv);
+        if (mask.m_block_max > mask.m_block_min) {
+          smem.pipe_kv.full_barrier_[0].wait(kv_tiles & 1);
+          // The previous tile's dK/dV stores have read the dQ staging buffer
+          // before this tile's first dQ staging (the staging barriers wait on
+          // thread 0); by now they have had the K/V load's latency to finish.
           if (mma_tid == 0) { tma_store_wait<0>(); }
-          return;
+          const int group = p.n / p.kh;
+          for (int g = 0; g < group; ++g) {
+            mainloop.template run_head<decltype(softcap)::value, Deterministic>(
+                p, smem, mma_tid, mask, n_block, kv_head * group + g, batch, pipe_qdo, state, acc_dk, acc_dv);
+          }
+          smem.pipe_kv.empty_barrier_[0].arrive();  // every GEMM reading K and V has retired
+          ++kv_tiles;
         }
+        // A split key block's shares add up their dK/dV; all but the last to
+        // finish are done then. The share is looked up again from the tile
+        // index in shared memory (this stage is released only below): kept
+        // live across the mainloop, it cost registers there (more spills).
+        const float* sums = nullptr;
+        bool stored_by_other = false;
+        if constexpr (Traits::kSplitTail) {
+          const BwdTile share = params.tiles(smem.tile_id[it & 1]);
+          if (share.pieces > 1) {
+            sums = BwdEpilogue<Traits, Params>::combine_split(p, smem, mma_tid, share.slot, share.pieces, acc_dk,
+                                                              acc_dv);
+            stored_by_other = sums == nullptr;
+          }
+        }
+        // A key block no query sees still writes its (zero) gradients.
+        if (!stored_by_other) {
+          BwdEpilogue<Traits, Params>::store(params, smem, mma_tid, n_block, kv_head, batch, acc_dk, acc_dv, sums);
+        }
+        tile_empty[it & 1].arrive();
       }
-    }
-    // A key block no query sees still writes its (zero) gradients. The store
-    // also waits for the last dQ bulk reduce to have read shared memory.
-    BwdEpilogue<Traits, Params>::store(params, smem, mma_tid, n_block, kv_head, batch, acc_dk, acc_dv, sums);
+    };
+    if (p.softcap > 0.f) { tile_loop(cute::true_type{}); } else { tile_loop(cute::false_type{}); }
+    // Shared memory must stay valid until the last stores and dQ bulk
+    // reduces have read it.
+    if (threadIdx.x == cutlass::NumThreadsPerWarpGroup) { tma_store_wait<0>(); }
   }
 #endif
 }
@@ -170,7 +217,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if (Traits::kSplitTail && p.split_tail && !p.deterministic && p.dkv_split != nullptr) {
     const int64_t slots = (p.dkv_split_floats - kBwdMaxSplitUnits) / kSplitSlotFloats;
     tiles.plan_split(p.num_sms, (p.t + Traits::kBlockM - 1) / Traits::kBlockM * (p.n / p.kh),
-                     int(slots < kBwdMaxSplitUnits ? slots : kBwdMaxSplitUnits));
+                     int(slots < kBwdTileCounter ? slots : kBwdTileCounter));
   }
   if (tiles.num_split() > 0) {  // zero the counters and the fp32 sums the shares add into
     err = cudaMemsetAsync(p.dkv_split, 0, sizeof(float) * (kBwdMaxSplitUnits + tiles.num_split() * kSplitSlotFloats),
@@ -192,7 +239,16 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }
-  kernel<<<kp.tiles.num_ctas(), Traits::kNumThreads, smem_bytes, stream>>>(kp);
+  // One persistent CTA per resident slot (one per SM at every head dim), or
+  // one per tile where there are fewer.
+  static const int ctas_per_sm = [&] {
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Traits::kNumThreads, smem_bytes);
+    return n > 0 ? n : 1;
+  }();
+  const int num_tiles = kp.tiles.num_ctas();
+  const int grid = p.num_sms > 0 && p.dkv_split != nullptr ? min(num_tiles, p.num_sms * ctas_per_sm) : num_tiles;
+  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
   err = cudaGetLastError();
   if (err != cudaSuccess) { return err; }
 

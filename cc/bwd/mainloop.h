@@ -69,38 +69,30 @@ struct BwdMainloop {
                             PipelineQdO& pipe, StateQdO& state, TKV& acc_dk, TKV& acc_dv) {
     using TileSdP = typename Traits::TileSdP;
     using TileQ = typename Traits::TileQ;
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
-    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
-    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdOt{});
-    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
-    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
-
-    auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
-    auto thr_kv = mma_kv.get_thread_slice(mma_tid);
-    auto thr_q = mma_q.get_thread_slice(mma_tid);
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, M, K)
-    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, N, K, stage)
-    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);  // (MMA, d, m, stage)
-    Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
-    Tensor tQrdS = thr_q.partition_fragment_A(sdS);      // (MMA, m, n)
-    // B operand of dQ chunk i: columns [i * kDqCols, (i + 1) * kDqCols) of K.
-    auto tQrKt = [&](int chunk) {
-      return thr_q.partition_fragment_B(
-          local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(chunk, _0{})));
+    // The GEMMs' shared-memory operands, as tensors over an opaque base that the
+    // loop below rebuilds every block (so are their WGMMA descriptors): hoisted
+    // out of the persistent tile loop (kernel.h), the per-k-step descriptors
+    // stayed live across the mainloop and ptxas spilled them (d128: 14 LDL.64
+    // per block, 8-11% slower).
+    auto smem_operand = [](auto* ptr, auto layout) {
+      asm volatile("" : "+l"(ptr));
+      return make_tensor(make_smem_ptr(ptr), layout);
     };
+
     // P^T / dS^T accumulators -> smem with transposing stmatrix: the
     // accumulator's rows (keys) are the contiguous dimension of dS in smem, so
     // plain copies were 16-bit generic stores with 64-bit swizzle arithmetic.
+    // Their swizzled per-thread targets are rebuilt per block along with the
+    // thread index (Traits::kFreshThreadIndex), else computed once.
+    constexpr bool kFreshThreadIndex = Traits::kFreshThreadIndex;
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
-    auto thr_r2s = r2s.get_thread_slice(mma_tid);
-    Tensor tR2SsdS = thr_r2s.partition_D(sdSt);
-    Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
+    auto stage_target = [&](Element* ptr) {
+      if constexpr (kFreshThreadIndex) {
+        return smem_operand(ptr, typename Traits::SmemLayoutdSt{});
+      } else {
+        return make_tensor(make_smem_ptr(ptr), typename Traits::SmemLayoutdSt{});
+      }
+    };
 
     // With a softcap the forward's scores are cap * x, x = tanh(q.k * scale / cap);
     // otherwise scale * x with x = q.k. dS is formed w.r.t. x; the remaining
@@ -158,9 +150,32 @@ struct BwdMainloop {
     int dq_pending = -1;
 
     for (int m_block = mask.m_block_min; m_block < mask.m_block_max; ++m_block) {
+      if constexpr (kFreshThreadIndex) { asm volatile("" : "+r"(mma_tid)); }
+      auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
+      auto thr_kv = mma_kv.get_thread_slice(mma_tid);
+      auto thr_q = mma_q.get_thread_slice(mma_tid);
+      auto thr_r2s = r2s.get_thread_slice(mma_tid);
+      Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
       Tensor tSrS = partition_fragment_C(mma_sdp, TileSdP{});
       Tensor tSrdP = partition_fragment_C(mma_sdp, TileSdP{});
       pipe.consumer_wait(state);
+      Tensor tSrK = thr_sdp.partition_fragment_A(smem_operand(smem.k.data(), typename Traits::SmemLayoutK{}));
+      Tensor tSrV = thr_sdp.partition_fragment_A(smem_operand(smem.v.data(), typename Traits::SmemLayoutV{}));
+      // (MMA, N, K, stage)
+      Tensor tSrQ = thr_sdp.partition_fragment_B(smem_operand(smem.q.data(), typename Traits::SmemLayoutQ{}));
+      Tensor tSrdO = thr_sdp.partition_fragment_B(smem_operand(smem.dout.data(), typename Traits::SmemLayoutdO{}));
+      // (MMA, d, m, stage)
+      Tensor tKVrdOt = thr_kv.partition_fragment_B(smem_operand(smem.dout.data(), typename Traits::SmemLayoutdOt{}));
+      Tensor tKVrQt = thr_kv.partition_fragment_B(smem_operand(smem.q.data(), typename Traits::SmemLayoutQt{}));
+      // (MMA, m, n)
+      Tensor tQrdS = thr_q.partition_fragment_A(smem_operand(smem.ds.data(), typename Traits::SmemLayoutdS{}));
+      // B operand of dQ chunk i: columns [i * kDqCols, (i + 1) * kDqCols) of K.
+      Tensor sKt = smem_operand(smem.k.data(), typename Traits::SmemLayoutKt{});
+      auto tQrKt = [&](int chunk) {
+        return thr_q.partition_fragment_B(
+            local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(chunk, _0{})));
+      };
+      Tensor tR2SsdS = thr_r2s.partition_D(stage_target(smem.ds.data()));
       warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), tSrS);
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), tSrdP);
       if (dq_pending >= 0) {
@@ -306,11 +321,11 @@ struct BwdMainloop {
       } else {
         // Each warpgroup holds a column slice of P^T / dS^T but needs all of
         // it: stage both (same FREE / READY protocol as dS above).
-        Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});
-        Tensor tKVsP = thr_kv.partition_fragment_A(sPt);     // (MMA, n, m) descriptors
-        Tensor tKVsdS = thr_kv.partition_fragment_A(sdSt);
+        // (MMA, n, m) descriptors
+        Tensor tKVsP = thr_kv.partition_fragment_A(smem_operand(smem.p.data(), typename Traits::SmemLayoutdSt{}));
+        Tensor tKVsdS = thr_kv.partition_fragment_A(smem_operand(smem.ds.data(), typename Traits::SmemLayoutdSt{}));
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
-        copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sPt));
+        copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(stage_target(smem.p.data())));
         copy(r2s, thr_r2s.retile_S(rdS), tR2SsdS);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSReady);

@@ -23,6 +23,9 @@ constexpr int kBwdBlockM = 64;
 // blocks than the GPU has SMs (132 on an H100/H200 SXM), so this cap on the
 // split key blocks per call does not bind on Hopper.
 constexpr int kBwdMaxSplitUnits = 160;
+// The last of those counters is the persistent kernel's tile counter (kernel.h;
+// zeroed by the preprocess), so at most kBwdTileCounter key blocks split.
+constexpr int kBwdTileCounter = kBwdMaxSplitUnits - 1;
 // Scratch floats: kBwdMaxSplitUnits int32 counters, then per split key block
 // dK and dV partials of up to 128 keys x d. jax_fa3/primitives.py mirrors it.
 inline int64_t bwd_split_scratch_floats(int b, int s, int kh, int d) {

@@ -42,6 +42,9 @@ bwd_preprocess(const BwdParams p) {
   // No early return: the shuffles below need the whole warp.
   const bool active = sub < Map::kRowsPerWarp && row < p.t_pad;
   const int64_t r = (int64_t(batch) * p.n + head) * p.t_pad + row;
+  if (p.dkv_split != nullptr && row == 0 && head == 0 && batch == 0 && lane == 0) {
+    reinterpret_cast<int*>(p.dkv_split)[kBwdTileCounter] = 0;  // the main kernel's tile counter
+  }
   float acc = 0.f;
   if (active && row < p.t) {
     const int64_t off = ((int64_t(batch) * p.t + row) * p.n + head) * HeadDim + col;

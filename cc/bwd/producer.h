@@ -1,5 +1,6 @@
-// Producer: one elected thread issues every TMA load of the CTA. K and V of
-// the key block arrive once (one barrier for both); Q and dO of each visited
+// Producer: one elected thread issues every TMA load of the CTA. Per tile, K
+// and V of the key block arrive once (one barrier for both; the buffers free
+// up when the consumers' last GEMM of the previous tile retired); Q and dO of each visited
 // query block stream through a kStages-deep ring, Q and dO sharing a stage
 // barrier since every consumer GEMM of a block needs one of them first and
 // both soon after; the block's LSE and delta rows (fp32 scratch written by the
@@ -22,9 +23,10 @@ struct BwdProducer {
   const KernelParams& params;
   typename Traits::SharedStorage& smem;
 
-  template <class PipelineKV, class PipelineQdO>
+  // One tile. The pipeline states carry over from tile to tile.
+  template <class PipelineKV, class PipelineQdO, class StateKV, class StateQdO>
   CUTE_DEVICE void run(int n_block, int kv_head, int batch, const KeyBlockMask<kBlockM, kBlockN>& mask,
-                       PipelineKV& pipe_kv, PipelineQdO& pipe_qdo) {
+                       PipelineKV& pipe_kv, StateKV& state_kv, PipelineQdO& pipe_qdo, StateQdO& state) {
     const BwdParams& p = params.bwd;
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
@@ -44,12 +46,11 @@ struct BwdProducer {
     auto [tVgV, tVsV] = tma_partition(params.tma_v, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-    auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
     pipe_kv.producer_acquire(state_kv);
     copy(params.tma_k.with(*pipe_kv.producer_get_barrier(state_kv)), tKgK, tKsK);
     copy(params.tma_v.with(*pipe_kv.producer_get_barrier(state_kv)), tVgV, tVsV);
+    ++state_kv;
 
-    auto state = cutlass::make_producer_start_state<PipelineQdO>();
     const int group = p.n / p.kh;
     for (int g = 0; g < group; ++g) {
       const int head = kv_head * group + g;
@@ -74,8 +75,6 @@ struct BwdProducer {
         ++state;
       }
     }
-    // Do not retire while loads this thread issued could still be landing.
-    pipe_qdo.producer_tail(state);
   }
 };
 

@@ -80,8 +80,8 @@ struct BwdTileOrder {
     o.split_from = o.num_units();
     return o;
   }
-  int num_units() const { return num_n * num_hb; }
-  int num_ctas() const { return split_from + (num_units() - split_from) * pieces; }
+  CUTE_HOST_DEVICE int num_units() const { return num_n * num_hb; }
+  CUTE_HOST_DEVICE int num_ctas() const { return split_from + (num_units() - split_from) * pieces; }
   int num_split() const { return num_units() - split_from; }
 
   // Units of work in the last wave: r = units % sms (all of them below one

@@ -159,9 +159,20 @@ struct BwdTraits {
   // 10-12% slower). Never in deterministic mode (5-6% slower there: every
   // semaphore hand-off to the next key block comes later).
   static constexpr bool kDeferDqIssue = kDqFreeWithdS;
+  // Rebuild every per-thread index of the mainloop (fragment coordinates,
+  // stmatrix and dQ staging offsets) each query block from an opaque thread
+  // index (BwdMainloop). Only at d64, whose two 128-row S/dP tiles leave no
+  // registers to hold them across the loop (they were spilled and reloaded
+  // every block; 1-2% slower). Its softcap loop still spills (the tanh slope
+  // needs x and P at once) but exempting it cost the plain loop 2%. At
+  // d128/d256 the recomputation cost 1-2% (H200, 2026-12-01).
+  static constexpr bool kFreshThreadIndex = HeadDim == 64;
 
   using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;  // Q and dO share a stage barrier
   using PipelineKV = cutlass::PipelineTmaAsync<1>;
+  // Persistent CTAs (kernel.h): the producer hands each next tile index to
+  // the consumers through shared memory, one tile ahead.
+  using PipelineTile = cutlass::PipelineAsync<2>;
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
@@ -177,12 +188,19 @@ struct BwdTraits {
     // This key block's share of dQ for one query block, in the order of one
     // block of the dQ accumulator, so a single bulk reduce-add moves it.
     // Double-buffered where it fits: the next block's staging need not wait
-    // for the previous reduce to finish reading.
-    cute::array_aligned<float, kDqBufs * kBlockM * kHeadDim, 128> dq;
+    // for the previous reduce to finish reading. After the mainloop it stages
+    // dK and dV for their TMA stores (epilogue.h; the same bytes at every head
+    // dim), so the next tile's K and V can land meanwhile.
+    cute::array_aligned<float, kDqBufs * kBlockM * kHeadDim, 1024> dq;
     typename PipelineQdO::SharedStorage pipe_qdo;
     typename PipelineKV::SharedStorage pipe_kv;
+    typename PipelineTile::SharedStorage pipe_tile;
+    int tile_id[2];  // per PipelineTile stage
     int split_last;  // split key blocks: this share finished last (epilogue.h)
   };
+  static constexpr int kdKVStageElems = cute::cosize_v<SmemLayoutK>;  // dK, then dV, in SharedStorage::dq
+  static_assert(2 * kdKVStageElems * sizeof(Element) <= kDqBufs * kBlockM * kHeadDim * sizeof(float));
+  static_assert(kdKVStageElems * sizeof(Element) % 1024 == 0, "dV's stage keeps the swizzle alignment");
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds shared memory");
 

@@ -5,7 +5,7 @@
 // shape) and as a smoke test that needs only the CUDA driver.
 //   jax_fa3_bwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--case NAME] [--watchdog SEC]
 // prints "PASS|FAIL <case> max_err=... tol=..." per case; exit status 0 iff all pass.
-//   jax_fa3_bwd_check --time B,T,N,D,CAUSAL [--iters 20] [--deterministic 1]
+//   jax_fa3_bwd_check --time B,T,N,D,CAUSAL [--iters 20] [--deterministic 1] [--softcap 30]
 // times the backward launches alone (one forward call supplies out and lse)
 // with CUDA events (no check): a target for `ncu -k regex:bwd_kernel`.
 #include <algorithm>
@@ -271,7 +271,7 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
 }
 
 // Backward launches alone on one shape (s = t, kh = n); one forward call makes out and lse.
-int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, int iters) {
+int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, float softcap, int iters) {
   const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, right = ts.causal ? 0 : -1;
   Buffers m = alloc(b, t, t, n, n, d);
   NormalRng rng(7);
@@ -280,8 +280,8 @@ int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, in
   CHECK_CUDA(cudaMemcpy(m.ql, lens.data(), b * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.kl, lens.data(), b * 4, cudaMemcpyHostToDevice));
   const int dt = bf16 ? 0 : 1;
-  const jax_fa3::FwdParams fp = fwd_params(m, 0.f, -1, right);
-  const jax_fa3::BwdParams bp = bwd_params(m, 0.f, -1, right, deterministic);
+  const jax_fa3::FwdParams fp = fwd_params(m, softcap, -1, right);
+  const jax_fa3::BwdParams bp = bwd_params(m, softcap, -1, right, deterministic);
   int err = jax_fa3_fwd_launch(&fp, dt, "default", nullptr);
   if (err == 0) {
     check_util::wait_or_die(kTag, "forward (timing)", g_watchdog_s);
@@ -306,8 +306,8 @@ int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, in
   ms /= iters;
   // 5 GEMMs of the forward's 2 (S, dP, dV, dK, dQ vs S, O): 2.5x its FLOPs.
   const double flops = 2.5 * 4.0 * b * n * double(t) * t * d / (ts.causal ? 2 : 1);
-  std::printf("bwd %s b%d t%d n%d d%d causal=%d det=%d: %.4f ms  %.1f TFLOP/s\n", bf16 ? "bf16" : "fp16", b, t,
-              n, d, ts.causal, int(deterministic), ms, flops / ms * 1e-9);
+  std::printf("bwd %s b%d t%d n%d d%d causal=%d det=%d softcap=%g: %.4f ms  %.1f TFLOP/s\n", bf16 ? "bf16" : "fp16",
+              b, t, n, d, ts.causal, int(deterministic), softcap, ms, flops / ms * 1e-9);
   cudaEventDestroy(e0); cudaEventDestroy(e1);
   release(m);
   return 0;
@@ -319,6 +319,7 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16", time_spec, only;
   int iters = 20;
   bool deterministic = false;
+  float softcap = 0.f;
   std::vector<int> hdims = {64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
@@ -329,6 +330,7 @@ int main(int argc, char** argv) {
     else if (a == "--time") time_spec = argv[i + 1];
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
     else if (a == "--deterministic") deterministic = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--softcap") softcap = float(std::atof(argv[i + 1]));
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
   if (argc % 2 == 0) { std::fprintf(stderr, "flags come in pairs: --flag value\n"); return 2; }
@@ -340,7 +342,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--time wants B,T,N,D,CAUSAL\n");
       return 2;
     }
-    return time_shape(ts, bf16, deterministic, std::max(iters, 1));
+    return time_shape(ts, bf16, deterministic, softcap, std::max(iters, 1));
   }
   // Odd lengths, T != S, GQA, causal, windows (one with rows that see no key),
   // softcap, seq lengths, deterministic dQ, split key blocks; several key and
