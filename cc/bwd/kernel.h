@@ -239,15 +239,13 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }
-  // One persistent CTA per resident slot (one per SM at every head dim), or
-  // one per tile where there are fewer.
-  static const int ctas_per_sm = [&] {
-    int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Traits::kNumThreads, smem_bytes);
-    return n > 0 ? n : 1;
-  }();
+  // One persistent CTA per SM (the register split below takes a whole SM's
+  // register file), or one per tile where there are fewer.
+  static_assert(2 * (Traits::kConsumerRegs * Traits::kNumMmaThreads +
+                     Traits::kProducerRegs * cutlass::NumThreadsPerWarpGroup) > 64 * 1024,
+                "a second CTA could share an SM: size the persistent grid by occupancy");
   const int num_tiles = kp.tiles.num_ctas();
-  const int grid = p.num_sms > 0 && p.dkv_split != nullptr ? min(num_tiles, p.num_sms * ctas_per_sm) : num_tiles;
+  const int grid = p.num_sms > 0 && p.dkv_split != nullptr ? min(num_tiles, p.num_sms) : num_tiles;
   kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
   err = cudaGetLastError();
   if (err != cudaSuccess) { return err; }

@@ -84,10 +84,9 @@ struct BwdMainloop {
     // plain copies were 16-bit generic stores with 64-bit swizzle arithmetic.
     // Their swizzled per-thread targets are rebuilt per block along with the
     // thread index (Traits::kFreshThreadIndex), else computed once.
-    constexpr bool kFreshThreadIndex = Traits::kFreshThreadIndex;
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
     auto stage_target = [&](Element* ptr) {
-      if constexpr (kFreshThreadIndex) {
+      if constexpr (Traits::kFreshThreadIndex) {
         return smem_operand(ptr, typename Traits::SmemLayoutdSt{});
       } else {
         return make_tensor(make_smem_ptr(ptr), typename Traits::SmemLayoutdSt{});
@@ -150,7 +149,7 @@ struct BwdMainloop {
     int dq_pending = -1;
 
     for (int m_block = mask.m_block_min; m_block < mask.m_block_max; ++m_block) {
-      if constexpr (kFreshThreadIndex) { asm volatile("" : "+r"(mma_tid)); }
+      if constexpr (Traits::kFreshThreadIndex) { asm volatile("" : "+r"(mma_tid)); }
       auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
       auto thr_kv = mma_kv.get_thread_slice(mma_tid);
       auto thr_q = mma_q.get_thread_slice(mma_tid);
