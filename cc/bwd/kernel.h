@@ -95,9 +95,9 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   // claims a tile as soon as it has issued the previous one's loads and hands
   // it over through two shared-memory slots (Traits::PipelineTile's barriers),
   // so the next tile's K, V, Q and dO load while the consumers finish a tile
-  // and run its epilogue (each CTA otherwise paid ~6 us per tile for the K/V
-  // load, pipeline ramp, epilogue and launch: RESULTS.md, session 18). Both
-  // sides drive the slot and K/V barriers from tile counts.
+  // and run its epilogue (otherwise every tile paid the K/V load, pipeline
+  // ramp and epilogue in series). Both sides drive the slot and K/V barriers
+  // from tile counts.
   using PipelineTile = typename Traits::PipelineTile;
   typename PipelineTile::Params pt;
   pt.role = is_producer ? PipelineTile::ThreadCategory::Producer : PipelineTile::ThreadCategory::Consumer;
@@ -214,7 +214,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) { return err; }
   BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN);
   constexpr int64_t kSplitSlotFloats = 2 * int64_t(Traits::kBlockN) * HeadDim;
-  if (Traits::kSplitTail && p.split_tail && !p.deterministic && p.dkv_split != nullptr) {
+  if (Traits::kSplitTail && !p.deterministic && p.dkv_split != nullptr) {
     const int64_t slots = (p.dkv_split_floats - kBwdMaxSplitUnits) / kSplitSlotFloats;
     tiles.plan_split(p.num_sms, (p.t + Traits::kBlockM - 1) / Traits::kBlockM * (p.n / p.kh),
                      int(slots < kBwdTileCounter ? slots : kBwdTileCounter));

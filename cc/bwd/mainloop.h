@@ -50,16 +50,6 @@ struct BwdMainloop {
       __nanosleep(40);
     }
   }
-  CUTE_DEVICE static void wait_turn(const int* sem, int turn, int mma_tid) {
-    if (mma_tid == 0) { spin_until(sem, turn); }
-    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierTurn);
-  }
-  CUTE_DEVICE static void pass_turn(int* sem, int mma_tid) {
-    __threadfence();  // this CTA's adds are visible before the next key block's
-    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierTurn);
-    if (mma_tid == 0) { atomicAdd(sem, 1); }
-  }
-
   // Softcap is a template parameter: the plain path then keeps neither the
   // raw scores nor the tanh-derivative selects live (registers are tight).
   // So is Deterministic (== p.deterministic; a kernel parameter, kernel.h).
@@ -104,7 +94,7 @@ struct BwdMainloop {
 
     auto dq_block = [&](int m) { return p.dq_accum + (row_base + m * kBlockM) * kHeadDim; };
     auto dq_semaphore = [&](int m) { return p.semaphore + (int64_t(batch) * p.n + head) * num_m_sem + m; };
-    // Bulk dQ path. stage_dq writes the fp32 block into smem in fragment order
+    // dQ reduction. stage_dq writes the fp32 block into smem in fragment order
     // (dq_accum.h: the same order as the block in the accumulator; no
     // barrier, the caller has made the buffer free); issue_dq makes every
     // thread's staging visible and lets one thread add the block with a bulk
@@ -249,39 +239,19 @@ struct BwdMainloop {
       // dQ(m block) += this key block's share, reduced in L2. The bulk path
       // stages the block (stage_dq) and issues its reduce later (issue_dq).
       auto reduce_dq = [&] {
-        if (!p.dq_atomic) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int chunk = 0; chunk < kDqChunks; ++chunk) {
-            if (chunk > 0) {
-              warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
-            } else {
-              // Each reduce is one bulk group: with two buffers only the
-              // latest (the other buffer's) may still be reading.
-              if (mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
-              cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQFree);
-            }
-            stage_dq(acc_dq, chunk);
-          }
-          issue_dq(m_block);
-          return;
-        }
-        int* sem = dq_semaphore(m_block);
-        if constexpr (Deterministic) { wait_turn(sem, mask.dq_turn(n_block, m_block), mma_tid); }
-        float* dq = dq_block(m_block);
         CUTLASS_PRAGMA_UNROLL
         for (int chunk = 0; chunk < kDqChunks; ++chunk) {
           if (chunk > 0) {
             warpgroup_gemm<true, 0>(mma_q, tQrdS, tQrKt(chunk), acc_dq);
+          } else {
+            // Each reduce is one bulk group: with two buffers only the
+            // latest (the other buffer's) may still be reading.
+            if (mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
+            cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQFree);
           }
-          // A thread's 4 consecutive fragment values are 16 contiguous bytes
-          // (dq_accum.h), so each warp reduces 512 contiguous bytes per RED.
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < DqLayout::kFrag; i += 4) {
-            atomicAdd(reinterpret_cast<float4*>(dq + DqLayout::offset(chunk, mma_tid, i)),
-                      make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3)));
-          }
+          stage_dq(acc_dq, chunk);
         }
-        if constexpr (Deterministic) { pass_turn(sem, mma_tid); }
+        issue_dq(m_block);
       };
       if constexpr (!Traits::kStagePdS) {
         // Stage dS: the other warpgroup's dQ GEMM of the previous block is done
@@ -292,7 +262,7 @@ struct BwdMainloop {
         // buffer's own FREE barrier instead, just before staging.
         constexpr bool kDefer = Traits::kDeferDqIssue && !Deterministic;
         constexpr bool kFreeWithdS = Traits::kDqFreeWithdS;
-        if (kFreeWithdS && !p.dq_atomic && mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
+        if (kFreeWithdS && mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
         copy(r2s, thr_r2s.retile_S(rdS), tR2SsdS);
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
@@ -303,7 +273,7 @@ struct BwdMainloop {
         warpgroup_gemm<false, -1>(mma_kv, tKVrdS, tKVrQt(_, _, _, state.index()), acc_dk);
         warpgroup_wait<1>();  // dV and dQ retired
         warpgroup_fence_operand(acc_dq);
-        if (kFreeWithdS && !p.dq_atomic) {
+        if (kFreeWithdS) {
           stage_dq(acc_dq, 0);
           if (kDefer) {
             dq_pending = m_block;

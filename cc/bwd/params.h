@@ -59,22 +59,7 @@ struct BwdParams {
   float scale = 1.f;
   float softcap = 0.f;
   int window_left = -1, window_right = -1;
-  bool deterministic = false;
-  // dQ reduction: false (default) stages the block's dQ in shared memory and
-  // adds it with one bulk reduce (cp.reduce.async.bulk .add.f32); true adds
-  // from registers with 16-byte fp32 vector reductions (JAX_FA3_BWD_DQ_ATOMIC=1,
-  // for A/B checks: 14-17% slower at d128 on an H200).
-  bool dq_atomic = false;
-  // Split the last wave's key blocks (never in deterministic mode: the fp32
-  // sum of more than two partials depends on their order). JAX_FA3_BWD_SPLIT=0
-  // turns it off for A/B runs.
-  bool split_tail = true;
-  // Dispatch order of causal-like runs (tile_scheduler.h), A/B knobs:
-  // head_major_only keeps them head-major (JAX_FA3_BWD_ORDER=head); chunk > 0
-  // sets the longest-first chunk width in key blocks (JAX_FA3_BWD_CHUNK),
-  // 0 lets BwdTileOrder::chunk_for pick it.
-  bool head_major_only = false;
-  int chunk = 0;
+  bool deterministic = false;  // fixed-order dQ sums; never splits key blocks (tile_scheduler.h)
   int num_sms = 0;
 };
 

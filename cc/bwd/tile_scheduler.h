@@ -13,10 +13,10 @@
 //    blocks high to low, so a CTA waits only on CTAs dispatched before it
 //    (mask.h, dq_turn).
 // Any order but the deterministic one may split the key blocks of the grid's
-// last, partial wave (plan_split): with 2048 equal key blocks on 132 SMs (d128,
-// 16k tokens) the 16th wave is half empty, 3% of the run. Each such block
-// becomes `pieces` CTAs, appended at the end of the grid, that take equal
-// shares of its query blocks; they combine dK/dV in fp32 (epilogue.h).
+// last, partial wave (plan_split), which would otherwise leave SMs idle at
+// the end of the grid. Each such block becomes `pieces` CTAs, appended at the
+// end of the grid, that take equal shares of its query blocks; they combine
+// dK/dV in fp32 (epilogue.h).
 #pragma once
 
 #include <cute/config.hpp>
@@ -33,25 +33,13 @@ struct BwdTileOrder {
   enum : int { kHeadMajor = 0, kDescending = 1, kLongestFirst = 2 };
   // Key blocks per chunk (longest first). With one CTA per SM, about
   // sms / chunk KV heads are in flight, each reading and adding into its
-  // query heads' Q, dO and fp32 dQ (8 bytes per row and head-dim column: 16
-  // MB per head at d128 16k). chunk_for keeps 32 while that working set fits
-  // in kL2Budget (the H200 has 60 MB of L2), else takes kWideChunk -- but
-  // only with at least kWideMinUnitsPerSm key blocks per SM. A chunk as wide
-  // as a head makes the order head-major again, so the last heads' longest
-  // key blocks start late. A causal key block 0 is about 2 sms / units of an
-  // SM's share of the work (units: key blocks x KV heads x batch, so a GQA
-  // group makes fewer, longer ones): 13% in the measured MHA cases below,
-  // but 52% at GQA 16/4 8k d128, where that tail would cost far more than
-  // L2 saves (not measured).
-  // H200, kernel-only, causal, 300-1000 back-to-back calls (at the 700 W
-  // cap), TFLOP/s: d128 8k (4 heads x 8 MB) 487 at 32, 483 at 64 or 128;
-  // d128 16k (4 x 16 MB) 514 at 32 or 64, 523 at 128; d256 8k 415 at 64,
-  // 423-424 at 128 or 256; d256 16k 438 at 128, 435 at 256; d128 32k 535 at
-  // 128, 537 at 256; d128 4k and d64 16k equal at 32 / 64 / 128.
-  // Narrower still, kNarrowChunk = 16 where even its working set fits (shorter
-  // tails; 2026-12-01, 2 x 300 calls: d128 4k +0.9%, d64 4k +0.4%; d256 4k,
-  // where it does not fit, lost 1.5% at 16).
-  // BwdParams::chunk (JAX_FA3_BWD_CHUNK) overrides it.
+  // query heads' Q, dO and fp32 dQ (8 bytes per row and head-dim column).
+  // chunk_for takes kNarrowChunk where that working set fits in kL2Budget
+  // (the H200 has 60 MB of L2), else kDefaultChunk, or kWideChunk when it
+  // does not fit even then and there are at least kWideMinUnitsPerSm key
+  // blocks per SM. A chunk as wide as a head makes the order head-major
+  // again, so the last heads' longest key blocks start late: a tail that
+  // grows with the GQA group (fewer, longer units).
   static constexpr int kDefaultChunk = 32, kNarrowChunk = 16, kWideChunk = 128, kWideMinUnitsPerSm = 15;
   static constexpr double kL2Budget = 40.0 * (1 << 20);
   static int chunk_for(const BwdParams& p, int num_units) {
@@ -62,21 +50,19 @@ struct BwdTileOrder {
     return !fits(kDefaultChunk) && num_units >= kWideMinUnitsPerSm * sms ? kWideChunk : kDefaultChunk;
   }
   // A split share should keep several query blocks: each CTA also pays for
-  // the K/V load, the fp32 combine and the epilogue (shares of 5 blocks made
-  // d128 at 1k 1.4% slower on the H200).
+  // the K/V load, the fp32 combine and the epilogue.
   static constexpr int kMaxPieces = 8, kMinBlocksPerPiece = 8;
   int order, num_n, num_hb, kh;
   int chunk = kDefaultChunk;
   int split_from = 0x7fffffff, pieces = 1;  // units >= split_from run as `pieces` CTAs each
 
-  // The A/B knobs p.head_major_only and p.chunk (params.h) apply here.
   static BwdTileOrder make(const BwdParams& p, int block_n) {
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
     const int order = (p.deterministic && p.window_right >= 0) ? kDescending
-                      : (causal_like && !p.head_major_only)    ? kLongestFirst
+                      : causal_like                            ? kLongestFirst
                                                                : kHeadMajor;
     BwdTileOrder o{order, (p.s + block_n - 1) / block_n, p.kh * p.b, p.kh};
-    o.chunk = p.chunk > 0 ? p.chunk : chunk_for(p, o.num_units());
+    o.chunk = chunk_for(p, o.num_units());
     o.split_from = o.num_units();
     return o;
   }

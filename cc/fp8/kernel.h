@@ -160,10 +160,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     Mainloop mainloop;
-    // Ping-pong for masked problems too, as the 16-bit kernel does by default
-    // (pingpong_masked; with the paired causal order it measured a gain there).
-    typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup,
-                                         p.pingpong_masked || (p.window_left < 0 && p.window_right < 0)};
+    typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup};
     pingpong.init();
     auto state_q = typename PipelineQ::PipelineState{};
     auto state_kv = typename PipelineKV::PipelineState{};
@@ -237,7 +234,7 @@ cudaError_t launch_fp8_fwd(const Fp8FwdParams& fp, cudaStream_t stream) {
     if constexpr (VtInGmem) {
       // The extent is the padded length: in a partial last block, positions
       // past s hold keys below s (vt_key_of), which TMA must not zero-fill.
-      const int64_t s_pad = fp8_vt_seq(p.s, HeadDim);
+      const int64_t s_pad = fp8_vt_seq(p.s);
       return Traits::make_tma_v(ptr, typename Traits::LayoutV(
           make_shape(int32_t(s_pad), Int<HeadDim>{}, p.kh, p.b),
           make_stride(_1{}, s_pad, s_pad * HeadDim, s_pad * HeadDim * p.kh)));

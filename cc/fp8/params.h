@@ -3,8 +3,8 @@
 //
 // Scale layout (float32, row-major), one scale per block the kernel consumes:
 //   q_scale [b, n,  ceil(t / kFp8BlockM)]   kFp8BlockM = 128 for every head dim
-//   k_scale [b, kh, ceil(s / kBlockN)]   kBlockN = fp8_block_n(d) below
-//   v_scale [b, kh, ceil(s / kBlockN)]
+//   k_scale [b, kh, ceil(s / kFp8BlockN)]   kFp8BlockN = 128 for every head dim
+//   v_scale [b, kh, ceil(s / kFp8BlockN)]
 // Dequantized value = e4m3 value * scale. Per-tensor scaling is the same
 // layout with every entry equal.
 //
@@ -13,7 +13,7 @@
 //                                 kernel transposes each tile in shared memory;
 //   [b, kh, d, fp8_vt_seq(s)]     V^T as the quantize pre-pass writes it for
 //                                 precision="fp8" (QuantTensor::transpose): key
-//                                 index contiguous, zero-padded to whole kBlockN
+//                                 index contiguous, zero-padded to whole kFp8BlockN
 //                                 blocks, keys permuted inside every 32-key
 //                                 slice as the P registers need (vt_key_of in
 //                                 fp8/transpose.h). TMA loads it as is.
@@ -23,11 +23,10 @@
 
 namespace jax_fa3 {
 
+// Rows of one Q scale block, and keys of one K/V scale block (= the kernel's
+// K/V tile, fp8/traits.h), at every head dim.
 constexpr int kFp8BlockM = 128;
-#ifndef JAX_FA3_FP8_D64_BLOCK_M
-#define JAX_FA3_FP8_D64_BLOCK_M 192  // query rows per d64 kernel tile (fp8/traits.h); 128 or 192
-#endif
-constexpr int fp8_block_n(int /*head_dim*/) { return 128; }  // every head dim (fp8/traits.h)
+constexpr int kFp8BlockN = 128;
 #if defined(__CUDACC__)
 #define JAX_FA3_HOST_DEVICE __host__ __device__
 #else
@@ -45,8 +44,8 @@ JAX_FA3_HOST_DEVICE constexpr int vt_key_of(int p) {
 }
 
 // Padded key count of the V^T layout.
-constexpr int64_t fp8_vt_seq(int64_t s, int head_dim) {
-  return (s + fp8_block_n(head_dim) - 1) / fp8_block_n(head_dim) * fp8_block_n(head_dim);
+constexpr int64_t fp8_vt_seq(int64_t s) {
+  return (s + kFp8BlockN - 1) / kFp8BlockN * kFp8BlockN;
 }
 
 struct Fp8FwdParams {

@@ -307,7 +307,7 @@ cudaError_t launch_typed(const QuantParams& params, cudaStream_t stream) {
   for (int i = 0; i < p.num_tensors; ++i) {
     QuantTensor& t = p.t[i];
     if (t.block_rows <= 0 || t.block_rows > kMaxBlockRows || t.block_rows % (kThreadsFor<kD> / 32) != 0 ||
-        (t.transpose && (t.block_rows != kMaxBlockRows || t.block_rows != fp8_block_n(p.d)))) {
+        (t.transpose && (t.block_rows != kMaxBlockRows || t.block_rows != kFp8BlockN))) {
       return cudaErrorInvalidValue;
     }
     t.num_rb = (t.seq + t.block_rows - 1) / t.block_rows;

@@ -32,55 +32,35 @@ struct Fp8FwdTraits {
   using ElementO = ElementO_;
   using ElementAccum = float;
   static constexpr int kHeadDim = HeadDim;
-  // Query rows per tile: kFp8BlockM (the Q scale block), or 192 at d64
-  // (JAX_FA3_FP8_D64_BLOCK_M): three consumer warpgroups of 64 rows, each
-  // reading the Q scale of the 128-row block its rows lie in. At d64 a
-  // warpgroup's softmax of a 128-key block outlasts its two GEMMs, so two
-  // warpgroups left the tensor cores idle; a third keeps them fed. H200,
-  // kernel-only, V^T / in-kernel transpose: non-causal 8k +24% / +18%,
-  // causal 4k +10% / +8%, causal 2k -2.5% / -3% (session 15). d128 cannot
-  // follow: at 160 registers (below) its O (64) + S (64) + P make ptxas
-  // serialize the QGMMAs (C7512), and 192 x 64-key tiles lost 3-13%.
-  static constexpr int kBlockM = HeadDim == 64 ? JAX_FA3_FP8_D64_BLOCK_M : kFp8BlockM;
+  // Query rows per tile: kFp8BlockM (the Q scale block), or 192 at d64: three
+  // consumer warpgroups of 64 rows, each reading the Q scale of the 128-row
+  // block its rows lie in. At d64 a warpgroup's softmax of a 128-key block
+  // outlasts its two GEMMs, so two warpgroups left the tensor cores idle. d128
+  // cannot follow: at 160 registers its O + S + P make ptxas serialize the
+  // QGMMAs (C7512).
+  static constexpr int kBlockM = HeadDim == 64 ? 192 : kFp8BlockM;
   static_assert(kBlockM % 64 == 0 && kFp8BlockM % 64 == 0, "a warpgroup's rows share one Q scale");
-  static constexpr int kBlockN = fp8_block_n(HeadDim);
-  // d256 takes 128-key blocks like d64/d128 (fp8_block_n). With 64-key
-  // blocks every block paid the O rescale (64 x 256 FMULs per warpgroup: the
-  // V block scale changes the factor every block) and a ping-pong hand-off
-  // for half the GEMM work; ncu showed the tensor pipe ~37% busy. The price
-  // is registers and shared memory, paid by kStageO and kIntraWgOverlap
-  // below.
-  //
-  // O leaves through shared memory, each consumer warpgroup storing its 64
-  // rows with one TMA store (fwd/epilogue.h), wherever the 64 KB of bf16
-  // staging fits: d64 / d128, and d256 with V^T from global memory, which
-  // gives up its third K/V stage for it (2 x 64 KB + Q + O = 224 KB). There
-  // that beat 3 stages with O stored from registers (64 4-byte STGs per
-  // thread, a tile boundary the tensor cores idled across): +9% causal 4k,
-  // +4% non-causal 8k (H200, kernel-only, session 13). The transposing d256
-  // kernel has no room (its V^T ring) and keeps the register path.
+  // 128-key blocks at every head dim. With 64-key blocks d256 paid the O
+  // rescale every block (the V block scale changes the factor) and a
+  // ping-pong hand-off for half the GEMM work.
+  static constexpr int kBlockN = kFp8BlockN;
+  // O leaves through shared memory (each consumer warpgroup storing its 64
+  // rows with one TMA store, fwd/epilogue.h) wherever the staging fits: d64 /
+  // d128, and d256 with V^T from global memory, which gives up its third K/V
+  // stage for it. The transposing d256 kernel has no room next to its V^T
+  // ring and stores O from registers.
   static constexpr bool kStageO = HeadDim < 256 || VtInGmem;
   // Intra-warpgroup overlap (P.V of block j-1 running under the softmax of
   // block j) needs a second P buffer and S live next to it. At d256 O alone
-  // is 128 of the 240 registers, S 64 and P 16: one P buffer, and the P.V
-  // GEMM is waited for before packing the next P. The other warpgroup's
-  // GEMMs still run under each one's softmax (at 128 x 128 x 256 those take
-  // longer than the softmax), unsynchronized (kPingPong below).
+  // is 128 of the 240 registers: one P buffer, and the P.V GEMM is waited for
+  // before packing the next P.
   static constexpr bool kIntraWgOverlap = HeadDim < 256;
-  // K and V (as TMA writes it) rings. A K stage is refilled once both
-  // consumer warpgroups have retired the S GEMM that read it. d64 / d128
-  // have the shared memory for a third stage; d256 does not.
-  // Without the V^T ring (kVtInGmem) there is room for two more stages at
-  // d64 / d128; at d256 the room goes to O's staging (kStageO above).
-  // (d256 with 2 stages and a double-buffered Q instead of 3 stages: within
-  // +-1%, H200, session 12.)
+  // K and V (as TMA writes it) rings: a third stage where shared memory
+  // allows (d64 / d128), two more without the V^T ring (kVtInGmem).
   static constexpr int kStages = HeadDim >= 256 ? 2 : (VtInGmem ? 4 : 3);
-  // V^T ring. A stage is free again once both warpgroups have retired the
-  // P.V GEMM reading it, which the overlapped mainloop waits for only after
-  // issuing the next S GEMM. With 2 stages the transpose of V_{j+2} waited
-  // for that, i.e. sat on the consumers' critical path; with 4 the
-  // transposer runs as far ahead as the K/V ring allows. As many stages
-  // (<= 4) as shared memory holds: 4 at d64 / d128, 2 at d256.
+  // V^T ring, as deep (<= 4) as shared memory holds: with 2 stages the
+  // transpose of V_{j+2} waited for P.V_j to retire, i.e. sat on the
+  // consumers' critical path.
   static constexpr int kVtStageBytes = kBlockN * HeadDim;  // e4m3
   static constexpr int kSmemBytesFixed = kBlockM * HeadDim + 2 * kStages * kVtStageBytes +
                                          (kStageO ? kBlockM * HeadDim * int(sizeof(ElementO)) : 0);
@@ -88,12 +68,8 @@ struct Fp8FwdTraits {
   static constexpr int kStagesVt = VtInGmem ? kStages
                                  : kSmemBytesFixed + 4 * kVtStageBytes + 1024 <= 227 * 1024 ? 4
                                  : kSmemBytesFixed + 3 * kVtStageBytes + 1024 <= 227 * 1024 ? 3 : 2;
-  // Ping-pong (one warpgroup's GEMMs under the other's softmax) pays at d64 /
-  // d128, where the GEMMs are short next to the softmax. At d256 the two
-  // warpgroups run better unsynchronized: +2% non-causal 8k, +3% causal 4k
-  // (H200, kernel-only A/B, session 10; d128 within +-0.6%). Re-measured
-  // with V^T from global memory (session 13, O still from registers):
-  // ping-pong at d256 -4% causal 4k, -2% non-causal 8k.
+  // Ping-pong pays at d64 / d128, where the GEMMs are short next to the
+  // softmax; at d256 the two warpgroups run better unsynchronized.
   static constexpr bool kPingPong = HeadDim < 256;
   static_assert(kBlockN % 32 == 0, "P.V consumes P in k32 slices");
 
@@ -102,34 +78,24 @@ struct Fp8FwdTraits {
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   // Warps 1..3 of the producer warpgroup transpose V (warp 0 issues TMA).
   static constexpr int kNumTransposeThreads = 3 * 32;
-  // setmaxnreg budgets. The CTA starts at 168 regs/thread (65536 / 384 rounded
-  // down to a multiple of 8) and setmaxnreg only moves registers inside that
-  // pool: the producer's release (168 - P) * 128 must cover the consumers'
-  // raise (C - 168) * 256, i.e. P + 2 C <= 504. (Session 2 had 48/232 and
-  // 32/240, 512: the consumers' setmaxnreg.inc waited forever for 1024
-  // registers -- the GPU hang.) d128 / d256 take the forward's 24/240: at
-  // d128 +1-2% over 40/232 (H200, kernel-only A/B, session 10; the producer's
-  // few spills sit in the TMA thread's code, none in the transpose loop).
-  // d64 with 128-row tiles (JAX_FA3_FP8_D64_BLOCK_M=128) keeps 40/232 (not
-  // measured at 24; it spills 48 B there).
-  // Three consumer warpgroups (d64's 192-row tile: 512 threads, a pool of
-  // 128 per thread): P + 3 C <= 512, so 32 / 160 (ptxas: 76 B of spills with
-  // a 24-register producer, 36 B with 32).
-  static constexpr int kProducerRegs = kNumMmaWarpGroups == 3 ? 32 : HeadDim >= 128 ? 24 : 40;
-  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 3 ? 160 : HeadDim >= 128 ? 240 : 232;
+  // setmaxnreg budgets. setmaxnreg only moves registers inside the CTA's
+  // launch pool (65536 / threads, rounded down to a multiple of 8): a larger
+  // total makes the consumers' increase wait forever (a GPU hang). Two
+  // consumer warpgroups: P + 2 C <= 504, 24 / 240 as in the 16-bit forward.
+  // Three (d64's 192-row tile, a pool of 128 per thread): P + 3 C <= 512,
+  // 32 / 160 (a 24-register producer spilled more).
+  static constexpr int kProducerRegs = kNumMmaWarpGroups == 3 ? 32 : 24;
+  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 3 ? 160 : 240;
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <=
                     (65536 / kNumThreads) / 8 * 8 * kNumThreads,
                 "setmaxnreg budgets exceed the CTA's launch register pool: the kernel would hang");
 
   using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
-  // S = Q K^T: SS QGMMA, both K-major. FP32 accumulation on purpose: an F16
-  // accumulator would halve the accumulator registers (the d256 O tile spills
-  // at 240 registers) and raise QGMMA issue rate (CUTLASS's FP8 example: 784
-  // -> 891 TFLOP/s at d128), but e4m3 operands scaled to +-448 give products
-  // up to 2e5 > 65504 (it would need operands rescaled to ~+-16) and an 11-bit
-  // mantissa over d = 128..256 terms adds ~sqrt(d) * 2^-11 relative score
-  // error before exp(), on top of the e4m3 rounding the Hadamard step removes.
+  // S = Q K^T: SS QGMMA, both K-major. FP32 accumulation on purpose: e4m3
+  // operands scaled to +-448 give products up to 2e5 > 65504 (F16's range),
+  // and an 11-bit mantissa over d terms adds ~sqrt(d) * 2^-11 relative score
+  // error before exp().
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum,
                            Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),

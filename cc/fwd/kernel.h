@@ -28,51 +28,6 @@ struct FwdKernelParams {
   typename Traits::TmaO tma_o;
 };
 
-// Loads issued from the consumer loop, for the no-warp-specialization
-// ablation: thread 0 loads Q and the first kStages K/V blocks when a tile
-// starts, then one block each time the consumers free a stage. Its waits for
-// that stage to drain stall its own warpgroup as well: the cost the producer
-// warpgroup exists to avoid. (The warp-specialized kernel uses NoInlineLoads.)
-template <class Traits, class KernelParams, class PipelineQ, class PipelineKV>
-struct InlineLoader {
-  ProducerLoad<Traits, KernelParams> producer;
-  PipelineQ& pipe_q;
-  PipelineKV& pipe_k;
-  PipelineKV& pipe_v;
-  bool active;  // only the issuing thread loads
-  typename PipelineQ::PipelineState state_q = cutlass::make_producer_start_state<PipelineQ>();
-  typename PipelineKV::PipelineState state_kv = cutlass::make_producer_start_state<PipelineKV>();
-  WorkTile tile{};
-  int next_n = -1, n_min = 0;
-
-  template <class Mask>
-  CUTE_DEVICE void begin_tile(const WorkTile& t, const Mask& mask) {
-    if (!active) { return; }
-    tile = t;
-    next_n = mask.n_block_max - 1;
-    n_min = mask.n_block_min;
-    auto v = producer.views(tile, state_q.index());
-    producer.load_q(v, pipe_q, state_q);
-    for (int i = 0; i < Traits::kStages && next_n >= n_min; ++i) {
-      producer.load_kv(v, next_n--, pipe_k, pipe_v, state_kv);
-    }
-  }
-  CUTE_DEVICE void operator()() {
-    // K/V only: the Q stage of the views is not used here.
-    if (active && next_n >= n_min) { producer.load_kv(producer.views(tile, 0), next_n--, pipe_k, pipe_v, state_kv); }
-  }
-  CUTE_DEVICE void tail() {
-    if (active) { pipe_k.producer_tail(state_kv); pipe_v.producer_tail(state_kv); }
-  }
-};
-
-struct NoInlineLoads {
-  template <class... Args> CUTE_DEVICE explicit NoInlineLoads(Args&&...) {}
-  template <class Mask> CUTE_DEVICE void begin_tile(const WorkTile&, const Mask&) {}
-  CUTE_DEVICE void operator()() {}
-  CUTE_DEVICE void tail() {}
-};
-
 template <class Traits, class Scheduler>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
@@ -91,12 +46,10 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
 
   const int warp_group = cutlass::canonical_warp_group_idx();
   const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
-  constexpr bool kWS = Traits::kWarpSpecialized;
-  const bool is_producer = kWS && warp_group == 0;
+  const bool is_producer = warp_group == 0;
   const bool lane_leader = cute::elect_one_sync();
-  // The one thread that issues TMA loads: in the producer warpgroup, or
-  // (ablation without warp specialization) consumer thread 0.
-  const bool is_issuer = kWS ? (is_producer && warp_in_group == 0 && lane_leader) : threadIdx.x == 0;
+  // The one thread that issues TMA loads.
+  const bool is_issuer = is_producer && warp_in_group == 0 && lane_leader;
 
   if (is_issuer) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -110,14 +63,12 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
   using Role = typename PipelineKV::ThreadCategory;
   typename PipelineQ::Params pq;
   pq.transaction_bytes = Traits::kTmaBytesQ;
-  pq.role = is_producer ? PipelineQ::ThreadCategory::Producer
-            : is_issuer ? PipelineQ::ThreadCategory::ProducerConsumer
-                        : PipelineQ::ThreadCategory::Consumer;
+  pq.role = is_producer ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
   pq.is_leader = is_issuer;
   pq.num_consumers = Traits::kNumMmaThreads;
   typename PipelineKV::Params pkv;
   pkv.transaction_bytes = Traits::kTmaBytesKV;
-  pkv.role = is_producer ? Role::Producer : is_issuer ? Role::ProducerConsumer : Role::Consumer;
+  pkv.role = is_producer ? Role::Producer : Role::Consumer;
   pkv.is_leader = pq.is_leader;
   pkv.num_consumers = Traits::kNumMmaThreads;
 
@@ -144,14 +95,10 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       pipe_v.producer_tail(state_kv);
     }
   } else {
-    if constexpr (kWS) { cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>(); }
-    const int mma_tid = threadIdx.x - (kWS ? cutlass::NumThreadsPerWarpGroup : 0);
-    using Loader = std::conditional_t<kWS, NoInlineLoads,
-                                      InlineLoader<Traits, Params, PipelineQ, PipelineKV>>;
-    Loader loader{ProducerLoad<Traits, Params>{params, smem}, pipe_q, pipe_k, pipe_v, is_issuer};
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int mma_tid = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     Mainloop mainloop;
-    typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup,
-                                         p.pingpong_masked || (p.window_left < 0 && p.window_right < 0)};
+    typename Mainloop::PingPong pingpong{mma_tid / cutlass::NumThreadsPerWarpGroup};
     pingpong.init();
     auto state_q = typename PipelineQ::PipelineState{};
     auto state_kv = typename PipelineKV::PipelineState{};
@@ -167,7 +114,6 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax(scale_log2);
-      loader.begin_tile(tile, mask);
       // Wait for Q even when the tile is empty, so no TMA write to its buffer
       // is still in flight when the pipeline slot is handed back.
       pipe_q.consumer_wait(state_q);
@@ -182,7 +128,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
         }
       };
       mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, softcap, raw_to_x, pipe_k, pipe_v, state_kv,
-                   softmax, acc_o, release_q, loader);
+                   softmax, acc_o, release_q);
       if (Traits::kSeparateO && !q_released) { release_q(); }  // an empty tile
       float lse[Mainloop::kRows];
       softmax.finalize(acc_o, lse);
@@ -193,7 +139,6 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       }
     }
     Epilogue<Traits, Params>::drain(mma_tid);
-    loader.tail();
   }
 #endif
 }
@@ -202,13 +147,12 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
 
 namespace jax_fa3 {
 
-// Host launcher for one instantiation.
-template <class Element, int HeadDim, bool IntraWGOverlap = FwdTileConfig<HeadDim>::kIntraWGOverlap,
-          bool PingPong = true, bool Persistent = true, bool WarpSpecialized = true,
-          class Tile = FwdTileConfig<HeadDim>>
+// Host launcher for one instantiation. Tile: FwdTileConfig's, or a FwdTile
+// the handler picks per problem (the d64 192-row tile).
+template <class Element, int HeadDim, class Tile = FwdTileConfig<HeadDim>>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, HeadDim, IntraWGOverlap, PingPong, WarpSpecialized, Tile>;
-  using Scheduler = std::conditional_t<Persistent, PersistentTileScheduler, StaticTileScheduler>;
+  using Traits = FwdTraits<Element, HeadDim, Tile>;
+  using Scheduler = PersistentTileScheduler;
   using LayoutSeq = typename Traits::LayoutSeq;
   auto layout = [](int seq, int heads, int batch) {
     return LayoutSeq(make_shape(seq, Int<HeadDim>{}, heads, batch),

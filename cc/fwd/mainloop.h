@@ -2,7 +2,7 @@
 // straddles a boundary, online softmax in FP32, O += P V (RS WGMMA with P
 // still in registers). Each consumer warpgroup owns 64 of the tile's rows.
 //
-// With kIntraWGOverlap (FA3 paper, Sec. 3.2) the loop is software-pipelined:
+// The loop is software-pipelined (intra-warpgroup overlap, FA3 paper, Sec. 3.2):
 // iteration j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, waits
 // only for S_j, runs softmax on it while the P.V GEMM is still in flight, and
 // rescales O once that GEMM has retired. With kPingPong the two warpgroups
@@ -50,14 +50,11 @@ struct ConsumerMainloop {
   // on_q_dead() runs once the last S GEMM has retired (not on an empty tile):
   // the caller may release Q there, so the producer loads the next tile's Q
   // under this tile's last P.V GEMM and epilogue instead of after them.
-  // on_v_free() runs after every release of a K/V stage (K's was released
-  // earlier): a no-op in the warp-specialized kernel; without warp
-  // specialization it is where a consumer thread issues the next loads.
-  template <class PipelineKV, class StateKV, class TO, class OnQDead, class OnVFree>
+  template <class PipelineKV, class StateKV, class TO, class OnQDead>
   CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int q_stage, int mma_tid, const PingPong& pingpong,
                        const TileMask<kBlockM, kBlockN>& mask, bool softcap, float raw_to_x,
                        PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
-                       Softmax& softmax, TO& acc_o, OnQDead&& on_q_dead, OnVFree& on_v_free) {
+                       Softmax& softmax, TO& acc_o, OnQDead&& on_q_dead) {
     if (mask.empty()) { return; }
     Tensor sQ = smem_q<Traits>(smem, q_stage);
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
@@ -87,60 +84,33 @@ struct ConsumerMainloop {
     softmax.max_and_exp(tSrS, correction);  // acc_o is still zero: no rescale
     convert_into(tSrS, tOrP);
 
-    if constexpr (Traits::kIntraWGOverlap) {
-      StateKV state_v = state_kv;  // stage holding the V that matches P
-      ++state_kv;
-      for (--n_block; n_block >= mask.n_block_min; --n_block) {
-        pipe_k.consumer_wait(state_kv);
-        pingpong.wait_turn();
-        warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
-        pipe_v.consumer_wait(state_v);
-        warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
-        pingpong.pass_turn();
-        warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
-        pipe_k.consumer_release(state_kv);
-        prepare_scores(tSrS, cS, mask, n_block, softcap, raw_to_x);
-        softmax.max_and_exp(tSrS, correction);
-        warpgroup_wait<0>();  // P.V retired: O and the P registers are free
-        pipe_v.consumer_release(state_v);
-        on_v_free();
-        Softmax::rescale(acc_o, correction);
-        convert_into(tSrS, tOrP);
-        state_v = state_kv;
-        ++state_kv;
-      }
-      on_q_dead();
-      pipe_v.consumer_wait(state_v);
+    StateKV state_v = state_kv;  // stage holding the V that matches P
+    ++state_kv;
+    for (--n_block; n_block >= mask.n_block_min; --n_block) {
+      pipe_k.consumer_wait(state_kv);
       pingpong.wait_turn();
+      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
+      pipe_v.consumer_wait(state_v);
       warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
       pingpong.pass_turn();
-      warpgroup_wait<0>();
+      warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+      pipe_k.consumer_release(state_kv);
+      prepare_scores(tSrS, cS, mask, n_block, softcap, raw_to_x);
+      softmax.max_and_exp(tSrS, correction);
+      warpgroup_wait<0>();  // P.V retired: O and the P registers are free
       pipe_v.consumer_release(state_v);
-      on_v_free();
-    } else {
-      // Sequential: each block's P.V completes before the next S is issued.
-      for (;;) {
-        pipe_v.consumer_wait(state_kv);
-        pingpong.wait_turn();
-        warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_kv.index()), acc_o);
-        pingpong.pass_turn();
-        warpgroup_wait<0>();
-        pipe_v.consumer_release(state_kv);
-        on_v_free();
-        ++state_kv;
-        if (--n_block < mask.n_block_min) { on_q_dead(); break; }
-        pipe_k.consumer_wait(state_kv);
-        pingpong.wait_turn();
-        warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, state_kv.index()), tSrS);
-        pingpong.pass_turn();
-        warpgroup_wait<0>();
-        pipe_k.consumer_release(state_kv);
-        prepare_scores(tSrS, cS, mask, n_block, softcap, raw_to_x);
-        softmax.max_and_exp(tSrS, correction);
-        Softmax::rescale(acc_o, correction);
-        convert_into(tSrS, tOrP);
-      }
+      Softmax::rescale(acc_o, correction);
+      convert_into(tSrS, tOrP);
+      state_v = state_kv;
+      ++state_kv;
     }
+    on_q_dead();
+    pipe_v.consumer_wait(state_v);
+    pingpong.wait_turn();
+    warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+    pingpong.pass_turn();
+    warpgroup_wait<0>();
+    pipe_v.consumer_release(state_v);
   }
 };
 

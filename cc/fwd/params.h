@@ -23,9 +23,6 @@ struct FwdParams {
   int window_left = -1;    // key j visible from query i iff j >= i - left (-1: unbounded)
   int window_right = -1;   //                          and j <= i + right (-1: unbounded)
   int num_sms = 0;
-  // Benchmark knobs (env, read by the handler: JAX_FA3_CAUSAL_ORDER, JAX_FA3_CAUSAL_PINGPONG).
-  int causal_order = 0;         // persistent order for causal-like problems: 0 pairs, 1 m-major
-  bool pingpong_masked = true;  // ping-pong also when a window/causal mask is set
 };
 
 // One entry per compiled (dtype, head dim) instantiation.
@@ -36,7 +33,7 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
 struct FwdKernelEntry {
   DType dtype;
   int head_dim;
-  const char* variant;  // "default", or an ablation variant (JAX_FA3_FWD_VARIANT)
+  const char* variant;  // "default", or a tile the handler picks per problem ("m192")
   FwdLauncher launch;
 };
 

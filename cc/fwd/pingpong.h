@@ -15,30 +15,21 @@ struct WarpGroupPingPong {
   static constexpr int kNumWG = kNumMmaThreads / cutlass::NumThreadsPerWarpGroup;
   // Each barrier joins the passing and the waiting warpgroup.
   static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
-  // User ids (NamedBarrier adds CUTLASS's reserved offset); 0 is the epilogue's.
   static constexpr uint32_t kBarrierBase = 1;
-  int wg;       // consumer warpgroup index, 0 .. kNumWG - 1
-  bool active;  // run-time switch (JAX_FA3_CAUSAL_PINGPONG=0 turns it off for
-                // masked problems). With the m-major causal order it cost 7%
-                // (d128 8k: 556 -> 519 TFLOP/s); with the paired order it gains
-                // 1-7% (d128 causal 512: 224 -> 239, 16k: 662 -> 666)
+  int wg;  // consumer warpgroup index, 0 .. kNumWG - 1
 
   // Called once per CTA: the last warpgroup hands the first turn to warpgroup 0.
   CUTE_DEVICE void init() const {
     if constexpr (kEnabled) {
-      if (active && wg == kNumWG - 1) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierBase + 0); }
+      if (wg == kNumWG - 1) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierBase + 0); }
     }
   }
   CUTE_DEVICE void wait_turn() const {
-    if constexpr (kEnabled) {
-      if (active) { cutlass::arch::NamedBarrier::sync(kBarrierThreads, kBarrierBase + wg); }
-    }
+    if constexpr (kEnabled) { cutlass::arch::NamedBarrier::sync(kBarrierThreads, kBarrierBase + wg); }
   }
   CUTE_DEVICE void pass_turn() const {
     if constexpr (kEnabled) {
-      if (active) {
-        cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierBase + (wg + 1) % kNumWG);
-      }
+      cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierBase + (wg + 1) % kNumWG);
     }
   }
 };

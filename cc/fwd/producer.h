@@ -1,7 +1,6 @@
 // Producer: one elected thread of the producer warpgroup issues every TMA
-// load (in the no-warp-specialization ablation, a consumer thread does, see
-// InlineLoader in kernel.h). Q is loaded once per tile into a 1-stage pipeline (its "empty" barrier
-// is released only after the epilogue has stored O out of the same buffer);
+// load. Q is loaded once per tile into its pipeline (with O staged in Q's
+// buffer, its "empty" barrier is released only after the epilogue has stored O);
 // K and V stream through kStages-deep rings, K and V on separate barriers so
 // the S GEMM can start while V is still in flight.
 #pragma once
@@ -70,8 +69,7 @@ struct ProducerLoad {
     ++state_kv;
   }
 
-  // The warp-specialized producer: a whole tile, K/V blocks high to low (the
-  // order the consumers visit them).
+  // A whole tile, K/V blocks high to low (the order the consumers visit them).
   template <class PipelineQ, class PipelineKV, class StateQ, class StateKV>
   CUTE_DEVICE void load_tile(const WorkTile& tile, const TileMask<kBlockM, kBlockN>& mask,
                              PipelineQ& pipe_q, StateQ& state_q,

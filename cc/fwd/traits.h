@@ -17,45 +17,28 @@ using namespace cute;
 
 // Tile sizes per head dim. kBlockN shrinks as the head dim grows so that Q plus
 // `kStages` K and V tiles still fit in the 227 KB of shared memory of one CTA.
-// Intra-warpgroup overlap keeps S_{j+1} and P_j live together; at d256 (a
-// 128-register O accumulator) that spills ~200 bytes in the main loop, yet it
-// was still measured faster there (d256 8k: 737 vs 637 TFLOP/s without).
+// d64 blocks are short, so a deeper K/V ring hides more load latency (4 stages).
+// The mainloop keeps S_{j+1} and P_j live together (intra-warpgroup overlap);
+// at d256 (a 128-register O accumulator) that spills ~200 bytes and is still
+// the faster schedule.
 template <int HeadDim> struct FwdTileConfig;
-// Build-time A/B knobs for the d64 tile (scripts/build_fwd_check.sh EXTRA_FLAGS).
-// d64 blocks are short, so a deeper K/V ring hides more load latency: 4 stages
-// ran 1-5% faster than 2 from 512 to 2k tokens on the H200 (3 stages: no gain).
-#ifndef JAX_FA3_D64_BLOCK_M
-#define JAX_FA3_D64_BLOCK_M 128
-#endif
-#ifndef JAX_FA3_D64_BLOCK_N
-#define JAX_FA3_D64_BLOCK_N 128
-#endif
-#ifndef JAX_FA3_D64_STAGES
-#define JAX_FA3_D64_STAGES 4
-#endif
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = JAX_FA3_D64_BLOCK_M, kBlockN = JAX_FA3_D64_BLOCK_N, kStages = JAX_FA3_D64_STAGES; static constexpr bool kIntraWGOverlap = true; };
-template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
-template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; static constexpr bool kIntraWGOverlap = true; };
-template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = true; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; static constexpr bool kIntraWGOverlap = true; };
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 4; };
+template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
+template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
+template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; };
 
 // A tile shape other than FwdTileConfig's, for the variants the handler picks
-// per problem (fwd_handler.cc, pick_variant: e.g. d64's 192-row tile, three
+// per problem (fwd_handler.cc, pick_variant: d64's 192-row tile, three
 // consumer warpgroups, wins on long sequences and loses on short causal ones).
 template <int BlockM, int BlockN, int Stages>
 struct FwdTile { static constexpr int kBlockM = BlockM, kBlockN = BlockN, kStages = Stages; };
 
-// The overlap switches exist for the ablation in benchmarks/RESULTS.md; the
-// default instantiation takes FwdTileConfig's choice and ping-pong on.
-template <class Element_, int HeadDim, bool IntraWGOverlap = FwdTileConfig<HeadDim>::kIntraWGOverlap,
-          bool PingPong = true, bool WarpSpecialized = true, class Tile = FwdTileConfig<HeadDim>>
+template <class Element_, int HeadDim, class Tile = FwdTileConfig<HeadDim>>
 struct FwdTraits {
   using Element = Element_;
-  // false only for the ablation: no producer warpgroup, a consumer thread
-  // issues the TMA loads between its own GEMMs (kernel.h, InlineLoader).
-  static constexpr bool kWarpSpecialized = WarpSpecialized;
-  static constexpr bool kIntraWGOverlap = IntraWGOverlap;
-  static constexpr bool kPingPong = PingPong;
+  // The consumer warpgroups take turns issuing their GEMMs (pingpong.h).
+  static constexpr bool kPingPong = true;
   using ElementAccum = float;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = Tile::kBlockM;
@@ -66,7 +49,7 @@ struct FwdTraits {
   // consumer warpgroups, each owning 64 rows of the Q tile.
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
-  static constexpr int kNumThreads = kNumMmaThreads + (WarpSpecialized ? cutlass::NumThreadsPerWarpGroup : 0);
+  static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   // setmaxnreg budgets. The CTA starts at 168 regs/thread (65536 / 384); the
   // pool freed by the producer (168 - P) * 128 must cover the consumers' raise
   // (C - 168) * 256. P = 32 keeps the producer's TMA loop spill-free; head dims
