@@ -13,8 +13,9 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include "../common/barriers.h"
 #include "traits.h"
-#include "../fwd/utils.h"
+#include "../common/utils.h"
 
 namespace jax_fa3 {
 
@@ -23,8 +24,6 @@ struct BwdEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
-  // After the mainloop's named barriers (0-4, BwdMainloop).
-  static constexpr uint32_t kBarrierEpilogue = 5;
 
   // Split key block (tile_scheduler.h): every share adds its fp32 dK/dV into
   // the block's scratch slot, in fragment order (the same thread layout in
@@ -48,11 +47,11 @@ struct BwdEpilogue {
       atomicAdd(sums + (kFrag + i) * kThreads + mma_tid, acc_dv(i));
     }
     __threadfence();  // the adds are visible before the count
-    cutlass::arch::NamedBarrier::sync(kThreads, kBarrierEpilogue);
+    cutlass::arch::NamedBarrier::sync(kThreads, kBarrierBwdEpilogue);
     if (mma_tid == 0) {
       smem.split_last = atomicAdd(reinterpret_cast<int*>(p.dkv_split) + slot, 1) == pieces - 1;
     }
-    cutlass::arch::NamedBarrier::sync(kThreads, kBarrierEpilogue);
+    cutlass::arch::NamedBarrier::sync(kThreads, kBarrierBwdEpilogue);
     if (!smem.split_last) { return nullptr; }
     __threadfence();
     return sums;
@@ -87,11 +86,11 @@ struct BwdEpilogue {
     // The last dQ bulk reduce (and any earlier store) has read the buffer
     // before anyone overwrites it; thread 0 issued them all.
     if (mma_tid == 0) { tma_store_wait<0>(); }
-    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierEpilogue);
+    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierBwdEpilogue);
     copy(rdK, thr_kv.partition_C(sdK));
     copy(rdV, thr_kv.partition_C(sdV));
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> TMA reads
-    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierEpilogue);
+    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, kBarrierBwdEpilogue);
     if (mma_tid == 0) {
       auto store_one = [&](const auto& tma, auto& sX) {
         Tensor mX = tma.get_tma_tensor(make_shape(p.s, Int<kHeadDim>{}, p.kh, p.b));

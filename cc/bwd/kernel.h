@@ -12,7 +12,7 @@
 
 #include "params.h"
 #include "traits.h"
-#include "mask.h"
+#include "../common/mask.h"
 #include "tile_scheduler.h"
 #include "producer.h"
 #include "mainloop.h"

@@ -11,9 +11,10 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include "traits.h"
-#include "mask.h"
+#include "../common/mask.h"
 #include "dq_accum.h"
-#include "../fwd/utils.h"
+#include "../common/barriers.h"
+#include "../common/utils.h"
 
 namespace jax_fa3 {
 
@@ -30,9 +31,6 @@ struct BwdMainloop {
   using Mask = KeyBlockMask<kBlockM, kBlockN>;
   using DqLayout = DqAccumLayout<Traits>;
   static_assert(DqLayout::kFrag == decltype(size(partition_fragment_C(typename Traits::TiledMmaQ{}, TileQc{})))::value);
-  // Named barrier ids (NamedBarrier adds CUTLASS's reserved offset).
-  static constexpr uint32_t kBarrierdSFree = 0, kBarrierdSReady = 1, kBarrierTurn = 2,
-                            kBarrierdQFree = 3, kBarrierdQReady = 4;
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmaKV mma_kv;

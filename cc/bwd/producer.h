@@ -10,7 +10,7 @@
 
 #include <cute/tensor.hpp>
 #include "traits.h"
-#include "mask.h"
+#include "../common/mask.h"
 
 namespace jax_fa3 {
 

@@ -11,7 +11,7 @@
 //    16/4, 8k, the longest CTA is a quarter of an SM's share of the work).
 //  - descending, for deterministic causal-like runs: head-major with key
 //    blocks high to low, so a CTA waits only on CTAs dispatched before it
-//    (mask.h, dq_turn).
+//    (common/mask.h, KeyBlockMask::dq_turn).
 // Any order but the deterministic one may split the key blocks of the grid's
 // last, partial wave (plan_split), which would otherwise leave SMs idle at
 // the end of the grid. Each such block becomes `pieces` CTAs, appended at the

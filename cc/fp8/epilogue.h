@@ -11,7 +11,7 @@
 #include <cutlass/arch/barrier.h>
 #include "traits.h"
 #include "../fwd/tile_scheduler.h"
-#include "../fwd/utils.h"
+#include "../common/utils.h"
 #include "../fwd/epilogue.h"
 
 namespace jax_fa3 {

@@ -20,7 +20,7 @@
 #include "mainloop.h"
 #include "epilogue.h"
 #include "../fwd/tile_scheduler.h"
-#include "../fwd/mask.h"
+#include "../common/mask.h"
 #include "../fwd/producer.h"
 
 namespace jax_fa3 {
@@ -121,7 +121,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       auto state_q = cutlass::make_producer_start_state<PipelineQ>();
       auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-        TileMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
+        QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
                                         min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
       }
@@ -140,7 +140,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       // then keeps no scheduler or mask state in the producer's registers.
       int num_v_tiles = 0;
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-        TileMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
+        QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
                                         min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         num_v_tiles += max(mask.n_block_max - mask.n_block_min, 0);
       }
@@ -181,7 +181,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       const float q_scale = params.q_scale[(int64_t(tile.batch) * p.n + tile.head) * num_qs +
                                            min((tile.m_block * kBlockM + wg * kRowsPerWG) / kFp8BlockM, num_qs - 1)];
       const int64_t kv_row = (int64_t(tile.batch) * p.kh + kv_head) * num_n;
-      TileMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
+      QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
                                       p.window_left, p.window_right);
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
@@ -197,7 +197,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       // warpgroup mask cost d256 0.6%).
       int ref_lo = mask.n_block_min, ref_hi = mask.n_block_max;
       if constexpr (kBlockM > kFp8BlockM) {
-        const TileMask<kRowsPerWG, kBlockN> wg_mask(tile.m_block * (kBlockM / kRowsPerWG) + wg, q_len,
+        const QueryBlockMask<kRowsPerWG, kBlockN> wg_mask(tile.m_block * (kBlockM / kRowsPerWG) + wg, q_len,
                                                     min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         if (!wg_mask.empty()) { ref_lo = wg_mask.n_block_min; ref_hi = wg_mask.n_block_max; }  // else rows past q_len
       }

@@ -17,9 +17,9 @@
 #include "traits.h"
 #include "transpose.h"
 #include "softmax.h"
-#include "../fwd/mask.h"
+#include "../common/mask.h"
 #include "../fwd/pingpong.h"
-#include "../fwd/utils.h"
+#include "../common/utils.h"
 
 namespace jax_fa3 {
 
@@ -80,7 +80,7 @@ struct Fp8ConsumerMainloop {
   // unchanged: O * correction_{j-1} + P_{j-1} V_{j-1}, in this order.
   template <class PipelineKV, class StateKV, class PipelineVt, class StateVt, class TO>
   CUTE_DEVICE float run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
-                        const TileMask<kBlockM, kBlockN>& mask, int ref_lo, int ref_hi, float q_to_log2,
+                        const QueryBlockMask<kBlockM, kBlockN>& mask, int ref_lo, int ref_hi, float q_to_log2,
                         const float* k_scale, const float* v_scale,
                         PipelineKV& pipe_k, StateKV& state_kv, PipelineVt& pipe_vt, StateVt& state_vt,
                         Softmax& softmax, TO& acc_o) {

@@ -11,7 +11,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include "../fwd/utils.h"
+#include "../common/utils.h"
 
 namespace jax_fa3 {
 

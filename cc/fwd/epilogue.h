@@ -12,8 +12,9 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include "../common/barriers.h"
 #include "traits.h"
-#include "utils.h"
+#include "../common/utils.h"
 
 namespace jax_fa3 {
 
@@ -24,11 +25,8 @@ struct Epilogue {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kRowsPerWG = Traits::kRowsPerWG;
   static constexpr int kWGThreads = cutlass::NumThreadsPerWarpGroup;
-  // One named barrier per consumer warpgroup, after the ping-pong's ids
-  // (pingpong.h: 1 .. number of consumer warpgroups). NamedBarrier's static
-  // API numbers user barriers from 0 (it adds CUTLASS's reserved count).
-  static constexpr uint32_t kBarrierOBase = 4;
-  static_assert(kBarrierOBase + Traits::kNumMmaWarpGroups <= 8, "user named barriers are 0..7");
+  // One named barrier per consumer warpgroup (common/barriers.h).
+  static_assert(kBarrierStoreO + Traits::kNumMmaWarpGroups <= kNumUserBarriers, "user named barriers are 0..7");
 
   // Before the CTA retires: each warpgroup's last TMA store must have read shared memory.
   CUTE_DEVICE static void drain(int mma_tid) {
@@ -66,13 +64,13 @@ struct Epilogue {
     if constexpr (Traits::kSeparateO) {
       // This warpgroup's store of the previous tile may still be reading its rows.
       if (issuer) { tma_store_wait<0>(); }
-      cutlass::arch::NamedBarrier::sync(kWGThreads, kBarrierOBase + wg);
+      cutlass::arch::NamedBarrier::sync(kWGThreads, kBarrierStoreO + wg);
     }
     Tensor tOsO = thr_pv.partition_C(sO);
     copy(rO, tOsO);
     // Generic-proxy writes must be visible to the TMA engine (async proxy).
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(kWGThreads, kBarrierOBase + wg);
+    cutlass::arch::NamedBarrier::sync(kWGThreads, kBarrierStoreO + wg);
 
     if (issuer) {
       Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));

@@ -12,7 +12,7 @@
 #include "params.h"
 #include "traits.h"
 #include "tile_scheduler.h"
-#include "mask.h"
+#include "../common/mask.h"
 #include "producer.h"
 #include "mainloop.h"
 #include "epilogue.h"
@@ -86,7 +86,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       auto state_q = cutlass::make_producer_start_state<PipelineQ>();
       auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-        TileMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
+        QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
                                         min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
       }
@@ -109,7 +109,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
       const int q_len = min(p.q_lens[tile.batch], p.t);
-      TileMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
+      QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
                                       p.window_left, p.window_right);
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);

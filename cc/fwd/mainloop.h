@@ -11,10 +11,10 @@
 
 #include <cute/tensor.hpp>
 #include "traits.h"
-#include "mask.h"
+#include "../common/mask.h"
 #include "pingpong.h"
 #include "softmax.h"
-#include "utils.h"
+#include "../common/utils.h"
 
 namespace jax_fa3 {
 
@@ -37,7 +37,7 @@ struct ConsumerMainloop {
 
   // Scores -> softmax input: softcap and boundary masking.
   template <class TS, class TC>
-  CUTE_DEVICE static void prepare_scores(TS& tSrS, TC const& cS, const TileMask<kBlockM, kBlockN>& mask,
+  CUTE_DEVICE static void prepare_scores(TS& tSrS, TC const& cS, const QueryBlockMask<kBlockM, kBlockN>& mask,
                                          int n_block, bool softcap, float raw_to_x) {
     if (softcap) {
       CUTLASS_PRAGMA_UNROLL
@@ -52,7 +52,7 @@ struct ConsumerMainloop {
   // under this tile's last P.V GEMM and epilogue instead of after them.
   template <class PipelineKV, class StateKV, class TO, class OnQDead>
   CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int q_stage, int mma_tid, const PingPong& pingpong,
-                       const TileMask<kBlockM, kBlockN>& mask, bool softcap, float raw_to_x,
+                       const QueryBlockMask<kBlockM, kBlockN>& mask, bool softcap, float raw_to_x,
                        PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
                        Softmax& softmax, TO& acc_o, OnQDead&& on_q_dead) {
     if (mask.empty()) { return; }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cutlass/arch/barrier.h>
+#include "../common/barriers.h"
 
 namespace jax_fa3 {
 
@@ -15,21 +16,21 @@ struct WarpGroupPingPong {
   static constexpr int kNumWG = kNumMmaThreads / cutlass::NumThreadsPerWarpGroup;
   // Each barrier joins the passing and the waiting warpgroup.
   static constexpr int kBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;
-  static constexpr uint32_t kBarrierBase = 1;
+  static_assert(kBarrierPingPong + kNumWG <= kBarrierStoreO, "one turn barrier per consumer warpgroup");
   int wg;  // consumer warpgroup index, 0 .. kNumWG - 1
 
   // Called once per CTA: the last warpgroup hands the first turn to warpgroup 0.
   CUTE_DEVICE void init() const {
     if constexpr (kEnabled) {
-      if (wg == kNumWG - 1) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierBase + 0); }
+      if (wg == kNumWG - 1) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierPingPong + 0); }
     }
   }
   CUTE_DEVICE void wait_turn() const {
-    if constexpr (kEnabled) { cutlass::arch::NamedBarrier::sync(kBarrierThreads, kBarrierBase + wg); }
+    if constexpr (kEnabled) { cutlass::arch::NamedBarrier::sync(kBarrierThreads, kBarrierPingPong + wg); }
   }
   CUTE_DEVICE void pass_turn() const {
     if constexpr (kEnabled) {
-      cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierBase + (wg + 1) % kNumWG);
+      cutlass::arch::NamedBarrier::arrive(kBarrierThreads, kBarrierPingPong + (wg + 1) % kNumWG);
     }
   }
 };

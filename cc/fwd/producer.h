@@ -7,8 +7,8 @@
 
 #include <cute/tensor.hpp>
 #include "traits.h"
-#include "mask.h"
-#include "utils.h"
+#include "../common/mask.h"
+#include "../common/utils.h"
 
 namespace jax_fa3 {
 
@@ -71,7 +71,7 @@ struct ProducerLoad {
 
   // A whole tile, K/V blocks high to low (the order the consumers visit them).
   template <class PipelineQ, class PipelineKV, class StateQ, class StateKV>
-  CUTE_DEVICE void load_tile(const WorkTile& tile, const TileMask<kBlockM, kBlockN>& mask,
+  CUTE_DEVICE void load_tile(const WorkTile& tile, const QueryBlockMask<kBlockM, kBlockN>& mask,
                              PipelineQ& pipe_q, StateQ& state_q,
                              PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv) const {
     auto v = views(tile, state_q.index());

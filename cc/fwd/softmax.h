@@ -4,7 +4,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include "utils.h"
+#include "../common/utils.h"
 
 namespace jax_fa3 {
 

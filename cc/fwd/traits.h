@@ -159,4 +159,12 @@ struct FwdTraits {
   using TmaO = decltype(make_tma_o(nullptr, LayoutSeq{}));
 };
 
+// Stage `stage` of a forward kernel's Q buffer: SharedStorage::q holds the
+// Q stages (Traits::PipelineQ's) back to back, one SmemLayoutQ each.
+template <class Traits>
+CUTE_DEVICE auto smem_q(typename Traits::SharedStorage& smem, int stage) {
+  using LayoutQ = typename Traits::SmemLayoutQ;
+  return make_tensor(make_smem_ptr(smem.q.data() + stage * cosize_v<LayoutQ>), LayoutQ{});
+}
+
 }  // namespace jax_fa3

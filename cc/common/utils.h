@@ -1,4 +1,4 @@
-// Small device helpers shared by the forward pieces: register-layout views of
+// Small device helpers shared by every kernel family: register-layout views of
 // WGMMA accumulators, a warpgroup GEMM wrapper, fragment conversion.
 #pragma once
 
@@ -12,14 +12,6 @@ using namespace cute;
 // WGMMA accumulator layout ((2, 2, N/8), MMA_M, MMA_N) viewed as
 // (rows, cols) = ((2, MMA_M), (2, N/8, MMA_N)): each thread owns two rows
 // (r and r + 8) per 64-row atom and pairs of adjacent columns.
-// Stage `stage` of a forward kernel's Q buffer: SharedStorage::q holds the
-// Q stages (Traits::PipelineQ's) back to back, one SmemLayoutQ each.
-template <class Traits>
-CUTE_DEVICE auto smem_q(typename Traits::SharedStorage& smem, int stage) {
-  using LayoutQ = typename Traits::SmemLayoutQ;
-  return make_tensor(make_smem_ptr(smem.q.data() + stage * cosize_v<LayoutQ>), LayoutQ{});
-}
-
 template <class Layout>
 CUTE_HOST_DEVICE constexpr auto acc_rowcol_layout(Layout acc) {
   static_assert(rank(acc) == 3);

@@ -1,0 +1,202 @@
+// Which keys a query sees, for every kernel family. One visibility rule:
+//   key j is visible from query i (batch b) iff
+//   i < q_len[b], j < kv_len[b], j >= i - left (left >= 0), j <= i + right (right >= 0).
+// Causal (top-left aligned, as jax.nn) is right = 0.
+//
+// MaskRule answers it as intervals: the keys some row of a row range may see
+// (key_range), and, through the rule with queries and keys swapped
+// (transposed), the rows some key of a key range is seen by (row_range). Two
+// block views derive from it:
+//  - QueryBlockMask (forward, FP8): the key blocks one query block visits,
+//    which of them straddle a boundary, and the element mask of a score tile;
+//  - KeyBlockMask (backward): the query blocks that see one key block, its
+//    deterministic dQ turn and split shares, and the element mask of an S^T tile.
+// Producers and consumers build the same view, so they agree on the block
+// range without talking to each other. Later rules (segment ids, block masks)
+// extend MaskRule; the views keep asking it for intervals.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include "utils.h"
+
+namespace jax_fa3 {
+
+// A half-open index range [lo, hi); empty when hi <= lo.
+struct Interval {
+  int lo, hi;
+  CUTE_HOST_DEVICE bool empty() const { return hi <= lo; }
+};
+
+struct MaskRule {
+  int q_len, kv_len;  // valid query rows, valid keys
+  int left, right;    // window bounds, -1: unbounded
+
+  // The same rule with the roles of queries and keys exchanged: key j sees
+  // query i iff i < q_len, i >= j - right, i <= j + left.
+  CUTE_HOST_DEVICE MaskRule transposed() const { return {kv_len, q_len, right, left}; }
+
+  // Keys [lo, hi) that some row of [row_begin, row_end) may see; the caller
+  // clips row_end to q_len (an empty row range is the caller's test).
+  CUTE_HOST_DEVICE Interval key_range(int row_begin, int row_end) const {
+    int lo = 0, hi = kv_len;
+    if (right >= 0) { hi = min(hi, row_end - 1 + right + 1); }
+    if (left >= 0) { lo = max(0, row_begin - left); }
+    return {lo, hi};
+  }
+  // Query rows [lo, hi) that some key of [key_begin, key_end) is seen by.
+  CUTE_HOST_DEVICE Interval row_range(int key_begin, int key_end) const {
+    return transposed().key_range(key_begin, key_end);
+  }
+
+  // The keys row `row` sees, relative to key0: [lo, hi). lo holds only with
+  // a left bound (left >= 0); without one every key below hi is visible.
+  CUTE_DEVICE Interval keys_of_row(int row, int key0) const {
+    int hi = kv_len - key0;
+    if (right >= 0) { hi = min(hi, row + right + 1 - key0); }
+    return {row - left - key0, hi};
+  }
+};
+
+// Blocks of `block` indices that overlap a range: [min, max).
+template <int kBlock>
+CUTE_HOST_DEVICE Interval blocks_of(Interval r) {
+  return r.empty() ? Interval{0, 0} : Interval{r.lo / kBlock, (r.hi + kBlock - 1) / kBlock};
+}
+
+// Per row of an accumulator tile the visible columns form one interval [lo,
+// hi), so each element costs two compares and a select (one without a lower
+// bound). The element-wise short-circuit test this replaces compiled to a
+// branch pair per element. scores: an accumulator fragment; coords: its
+// identity partition (tile-local (row, col) of each element); interval(row):
+// the tile-local visible columns of tile row `row`.
+template <bool kLowerBound, class TS, class TC, class RowInterval>
+CUTE_DEVICE void mask_rows(TS& scores, TC const& coords, RowInterval&& interval) {
+  Tensor s = as_rowcol(scores);
+  Tensor c = as_rowcol(coords);
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < size<0>(s); ++r) {
+    const Interval iv = interval(get<0>(c(r, 0)));
+    CUTLASS_PRAGMA_UNROLL
+    for (int col = 0; col < size<1>(s); ++col) {
+      const int j = get<1>(c(r, col));
+      const bool visible = kLowerBound ? ((j >= iv.lo) & (j < iv.hi)) : (j < iv.hi);
+      s(r, col) = visible ? s(r, col) : -INFINITY;
+    }
+  }
+}
+
+// Forward view: the key blocks query block m_block visits, [n_block_min,
+// n_block_max), visited high to low.
+template <int kBlockM, int kBlockN>
+struct QueryBlockMask {
+  MaskRule rule;
+  int m_start;  // first query row of the block
+  int n_block_min, n_block_max;
+
+  CUTE_DEVICE QueryBlockMask(int m_block, int q_len, int kv_len, int left, int right)
+      : rule{q_len, kv_len, left, right} {
+    m_start = m_block * kBlockM;
+    const int m_end = min(m_start + kBlockM, q_len);
+    const Interval keys = rule.key_range(m_start, m_end);
+    const Interval blocks = m_end <= m_start ? Interval{0, 0} : blocks_of<kBlockN>(keys);
+    n_block_min = blocks.lo;
+    n_block_max = blocks.hi;
+  }
+
+  CUTE_DEVICE bool empty() const { return n_block_max <= n_block_min; }
+
+  // Interior blocks (every key visible from every row) skip the element mask.
+  // Rows past q_len are not masked: the epilogue zeroes them.
+  CUTE_DEVICE bool needs_mask(int n_block) const {
+    int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
+    return col_last >= rule.kv_len ||
+           (rule.right >= 0 && col_last > m_start + rule.right) ||
+           (rule.left >= 0 && col_first < m_start + kBlockM - 1 - rule.left);
+  }
+
+  // S tile (rows = queries, cols = keys) of key block n_block.
+  template <class TS, class TC>
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int n_block) const {
+    const int col0 = n_block * kBlockN;
+    auto interval = [&](int row) { return rule.keys_of_row(m_start + row, col0); };
+    if (rule.left >= 0) {
+      mask_rows<true>(scores, coords, interval);
+    } else {
+      mask_rows<false>(scores, coords, interval);
+    }
+  }
+};
+
+// Backward view: the query blocks that see key block n_block, [m_block_min,
+// m_block_max), visited ascending.
+template <int kBlockM, int kBlockN>
+struct KeyBlockMask {
+  MaskRule rule;
+  int n_start;  // first key of the block
+  int m_block_min, m_block_max;
+
+  CUTE_DEVICE KeyBlockMask(int n_block, int q_len, int kv_len, int left, int right)
+      : rule{q_len, kv_len, left, right} {
+    n_start = n_block * kBlockN;
+    const int n_end = min(n_start + kBlockN, kv_len);
+    const Interval rows = rule.row_range(n_start, n_end);
+    const Interval blocks = n_end <= n_start ? Interval{0, 0} : blocks_of<kBlockM>(rows);
+    m_block_min = blocks.lo;
+    m_block_max = blocks.hi;
+  }
+
+  // A split key block (bwd/tile_scheduler.h): share `piece` of `pieces`
+  // visits an equal part of the query blocks.
+  CUTE_DEVICE void take_share(int piece, int pieces) {
+    const int lo = m_block_min, len = m_block_max - m_block_min;
+    m_block_min = lo + len * piece / pieces;
+    m_block_max = lo + len * (piece + 1) / pieces;
+  }
+
+  // Deterministic dQ: the key blocks that visit query block m are contiguous,
+  // [first, last]. Each adds its share in a fixed order, which is this key
+  // block's turn. With a right bound (causal, windows) the order descends from
+  // the diagonal block: that block visits m first (it starts there), so no CTA
+  // waits at its first query block, where an ascending order made key block j
+  // idle for about j blocks of work. Key blocks are then dispatched in
+  // descending order too (bwd/tile_scheduler.h), so a CTA only ever waits on
+  // CTAs dispatched before it (no deadlock when a head has more key blocks
+  // than the GPU holds CTAs).
+  CUTE_DEVICE int dq_turn(int n_block, int m_block) const {
+    if (rule.right >= 0) {
+      // The block's last valid row: a key block whose rows start past q_len
+      // visits nothing, so it cannot be the one that goes first.
+      const int m_last = min(m_block * kBlockM + kBlockM, rule.q_len) - 1;
+      return min(m_last + rule.right, rule.kv_len - 1) / kBlockN - n_block;
+    }
+    const int first = rule.left >= 0 ? max(0, m_block * kBlockM - rule.left) / kBlockN : 0;
+    return n_block - first;
+  }
+
+  // Key rows past kv_len and query columns past q_len are masked here: both
+  // would otherwise add to dK / dV.
+  CUTE_DEVICE bool needs_mask(int m_block) const {
+    const int m_first = m_block * kBlockM, m_last = m_first + kBlockM - 1;
+    const int n_last = n_start + kBlockN - 1;
+    return n_last >= rule.kv_len || m_last >= rule.q_len ||
+           (rule.right >= 0 && n_last > m_first + rule.right) ||
+           (rule.left >= 0 && n_start < m_last - rule.left);
+  }
+
+  // S^T tile (rows = keys, cols = queries) of query block m_block: the
+  // transposed rule's row intervals; a key past kv_len sees no query.
+  template <class TS, class TC>
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int m_block) const {
+    const int row0 = m_block * kBlockM;
+    const MaskRule t = rule.transposed();
+    mask_rows<true>(scores, coords, [&](int key) {
+      const int j = n_start + key;
+      Interval iv = t.keys_of_row(j, row0);
+      iv.lo = t.left >= 0 ? iv.lo : -kBlockM;
+      iv.hi = j < rule.kv_len ? iv.hi : -kBlockM;
+      return iv;
+    });
+  }
+};
+
+}  // namespace jax_fa3
