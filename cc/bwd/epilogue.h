@@ -96,9 +96,7 @@ struct BwdEpilogue {
         Tensor mX = tma.get_tma_tensor(make_shape(p.s, Int<kHeadDim>{}, p.kh, p.b));
         Tensor gX = local_tile(mX(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                make_coord(n_block, _0{}));
-        auto [tXgX, tXsX] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
-                                          group_modes<0, 2>(gX));
-        copy(tma, tXsX, tXgX);
+        tma_store_tile(tma, sX, gX);
       };
       store_one(params.tma_dk, sdK);
       store_one(params.tma_dv, sdV);

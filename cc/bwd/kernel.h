@@ -10,6 +10,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "../common/kernel_common.h"
 #include "params.h"
 #include "traits.h"
 #include "../common/mask.h"
@@ -52,31 +53,15 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const BwdParams& p = params.bwd;
 
-  const int warp_group = cutlass::canonical_warp_group_idx();
-  const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
-  const bool is_producer = warp_group == 0;
-  const bool lane_leader = cute::elect_one_sync();
-  const bool is_leader = is_producer && warp_in_group == 0 && lane_leader;
-
+  const WarpRoles roles = WarpRoles::make();
+  const bool is_producer = roles.is_producer;
+  const bool is_leader = roles.tma_thread;
   if (is_leader) {
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_dk.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_dv.get_tma_descriptor());
+    prefetch_tma_descriptors(params.tma_q, params.tma_do, params.tma_k, params.tma_v, params.tma_dk, params.tma_dv);
   }
 
-  typename PipelineQdO::Params pq;
-  pq.transaction_bytes = Traits::kTmaBytesQdO;
-  pq.role = is_producer ? PipelineQdO::ThreadCategory::Producer : PipelineQdO::ThreadCategory::Consumer;
-  pq.is_leader = is_leader;
-  pq.num_consumers = Traits::kNumMmaThreads;
-  typename PipelineKV::Params pkv;
-  pkv.transaction_bytes = Traits::kTmaBytesKV;
-  pkv.role = is_producer ? PipelineKV::ThreadCategory::Producer : PipelineKV::ThreadCategory::Consumer;
-  pkv.is_leader = is_leader;
-  pkv.num_consumers = Traits::kNumMmaThreads;
+  const auto pq = tma_pipeline_params<PipelineQdO>(roles, Traits::kTmaBytesQdO, Traits::kNumMmaThreads);
+  const auto pkv = tma_pipeline_params<PipelineKV>(roles, Traits::kTmaBytesKV, Traits::kNumMmaThreads);
   PipelineQdO pipe_qdo(smem.pipe_qdo, pq, Shape<_1, _1, _1>{});
   PipelineKV pipe_kv(smem.pipe_kv, pkv, Shape<_1, _1, _1>{});
 
@@ -200,12 +185,7 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
 template <class Element, int HeadDim>
 cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   using Traits = BwdTraits<Element, HeadDim>;
-  using LayoutSeq = typename Traits::LayoutSeq;
-  auto layout = [](int seq, int heads, int batch) {
-    return LayoutSeq(make_shape(seq, Int<HeadDim>{}, heads, batch),
-                     make_stride(int64_t(heads) * HeadDim, _1{}, int64_t(HeadDim),
-                                 int64_t(seq) * heads * HeadDim));
-  };
+  auto layout = btnh_layout<HeadDim>;
   constexpr int kPreRows = PreprocessMap<Element, HeadDim>::kRowsPerBlock;
   const dim3 rows_grid((p.t_pad + kPreRows - 1) / kPreRows, p.n, p.b);
   bwd_preprocess<Element, HeadDim><<<rows_grid, kBwdPreWarps * 32, 0, stream>>>(p);
@@ -235,10 +215,6 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       Traits::make_tma_dkv(static_cast<Element*>(p.dv), layout(p.s, p.kh, p.b)),
       tiles,
   };
-  auto kernel = p.deterministic ? bwd_kernel<Traits, true> : bwd_kernel<Traits, false>;
-  constexpr int smem_bytes = Traits::kSmemBytes;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (err != cudaSuccess) { return err; }
   // One persistent CTA per SM (the register split below takes a whole SM's
   // register file), or one per tile where there are fewer.
   static_assert(2 * (Traits::kConsumerRegs * Traits::kNumMmaThreads +
@@ -246,8 +222,8 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
                 "a second CTA could share an SM: size the persistent grid by occupancy");
   const int num_tiles = kp.tiles.num_ctas();
   const int grid = p.num_sms > 0 && p.dkv_split != nullptr ? min(num_tiles, p.num_sms) : num_tiles;
-  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
-  err = cudaGetLastError();
+  err = launch_kernel(p.deterministic ? bwd_kernel<Traits, true> : bwd_kernel<Traits, false>, dim3(grid),
+                      Traits::kNumThreads, Traits::kSmemBytes, stream, kp);
   if (err != cudaSuccess) { return err; }
 
   const dim3 out_grid((p.t + Traits::kBlockM - 1) / Traits::kBlockM, p.n, p.b);

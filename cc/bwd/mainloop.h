@@ -60,8 +60,8 @@ struct BwdMainloop {
     // The GEMMs' shared-memory operands, as tensors over an opaque base that the
     // loop below rebuilds every block (so are their WGMMA descriptors): hoisted
     // out of the persistent tile loop (kernel.h), the per-k-step descriptors
-    // stayed live across the mainloop and ptxas spilled them (d128: 14 LDL.64
-    // per block, 8-11% slower).
+    // stayed live across the mainloop and ptxas spilled them (reloaded every
+    // block).
     auto smem_operand = [](auto* ptr, auto layout) {
       asm volatile("" : "+l"(ptr));
       return make_tensor(make_smem_ptr(ptr), layout);

@@ -72,8 +72,7 @@ bwd_preprocess(const BwdParams p) {
 // back exactly the fragment elements it would have held in the main kernel
 // (float4 loads, coalesced), scales and converts them into a row-major tile in
 // shared memory, and the CTA writes whole rows with 16-byte stores. (Storing
-// the fragments straight to BTNH wrote 2-byte pieces, 4x the DRAM sectors:
-// 190 us of a 1.16 ms d128 backward at 16k tokens, 2026-11-29.)
+// the fragments straight to BTNH wrote 2-byte pieces, 4x the DRAM sectors.)
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumMmaThreads)
 bwd_postprocess(const BwdParams p) {

@@ -41,10 +41,8 @@ struct BwdProducer {
                            make_coord(n_block, _0{}));
     Tensor gV = local_tile(mV(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(n_block, _0{}));
-    auto [tKgK, tKsK] = tma_partition(params.tma_k, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(params.tma_v, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    auto [tKgK, tKsK] = tma_views(params.tma_k, sK, gK);
+    auto [tVgV, tVsV] = tma_views(params.tma_v, sV, gV);
 
     pipe_kv.producer_acquire(state_kv);
     copy(params.tma_k.with(*pipe_kv.producer_get_barrier(state_kv)), tKgK, tKsK);
@@ -58,10 +56,8 @@ struct BwdProducer {
                              make_coord(_, _0{}));  // (BM, D, m_blocks)
       Tensor gdO = local_tile(mdO(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                               make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, Int<0>{}, Layout<_1>{},
-                                            group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      auto [tQgQ, tQsQ] = tma_views(params.tma_q, sQ, gQ);
+      auto [tdOgdO, tdOsdO] = tma_views(params.tma_do, sdO, gdO);
       for (int m_block = mask.m_block_min; m_block < mask.m_block_max; ++m_block) {
         pipe_qdo.producer_acquire(state);
         copy(params.tma_q.with(*pipe_qdo.producer_get_barrier(state)), tQgQ(_, m_block), tQsQ(_, state.index()));

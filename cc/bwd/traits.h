@@ -21,6 +21,8 @@
 #include <cutlass/pipeline/pipeline.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "../common/kernel_common.h"
+
 #include "params.h"
 
 namespace jax_fa3 {
@@ -37,8 +39,7 @@ using namespace cute;
 //    shared memory (SS GEMMs). d256 has room for one Q/dO stage only.
 // d64 walks 128-row query blocks (64 elsewhere): its GEMMs per block are small
 // next to the fixed per-block work (barriers, dQ staging and bulk reduce), and
-// S^T/dP^T of 64 x 128 per warpgroup still fit (H200, 16k tokens: 12-14%
-// faster than 64-row blocks at every length).
+// S^T/dP^T of 64 x 128 per warpgroup still fit in registers.
 template <int HeadDim> struct BwdTileConfig;
 template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 2 * kBwdBlockM, kBlockN = 128, kStages = 2; static constexpr bool kStagePdS = false; static constexpr int kDqChunks = 1; };
 template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = kBwdBlockM, kBlockN = 128, kStages = 2; static constexpr bool kStagePdS = false; static constexpr int kDqChunks = 1; };
@@ -57,8 +58,8 @@ struct BwdTraits {
   static constexpr bool kStagePdS = BwdTileConfig<HeadDim>::kStagePdS;
   static constexpr int kDqChunks = BwdTileConfig<HeadDim>::kDqChunks;
   // Split key blocks of the last wave (tile_scheduler.h). Not at d64: the
-  // combine code after the mainloop made ptxas spill 12 more instructions
-  // inside it, 2% slower (H200) whether a launch splits or not.
+  // combine code after the mainloop made ptxas spill inside the mainloop,
+  // which slowed every launch, split or not.
   static constexpr bool kSplitTail = HeadDim != 64;
   // Deterministic mode keeps one semaphore per kBwdBlockM rows (sized by the
   // caller); a larger block uses the first t_pad / kBlockM of them.
@@ -88,8 +89,7 @@ struct BwdTraits {
   // dQ: where the query block has a 64-row tile per warpgroup (d64's 128-row
   // blocks) they split its rows, else its head dim. Splitting rows keeps the
   // WGMMA at N = d (n64 at d64, not n32: half the instructions) and each
-  // warpgroup reads only its own half of dS from shared memory (d64 +2.5% on an
-  // H200, same registers).
+  // warpgroup reads only its own half of dS from shared memory.
   static constexpr bool kDqSplitRows = kBlockM == 64 * kNumMmaWarpGroups;
   using AtomLayoutQ = std::conditional_t<kDqSplitRows, AtomLayoutM, AtomLayoutN>;
   static constexpr int kDqAtomN = kHeadDim / kDqChunks / (kDqSplitRows ? 1 : kNumMmaWarpGroups);
@@ -144,28 +144,25 @@ struct BwdTraits {
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
 
-  // dQ staging buffers: two on the register path (d <= 128: 209 KB of smem at
-  // d128); the staged path (d >= 192) has no room for a second.
+  // dQ staging buffers: two on the register path (d <= 128); the staged path (d >= 192) has no room for a second.
   static constexpr int kDqBufs = kStagePdS ? 1 : 2;
   // Register path: the dQ staging buffer is freed by the dS FREE barrier
-  // (BwdMainloop), not by a barrier of its own. Not at d64: its own barrier
-  // just before staging measured 1-2% faster there (deterministic: 4%), while
-  // d128's deterministic kernel lost 1% with it (H200, 2026-12-01).
+  // (BwdMainloop), not by a barrier of its own. Not at d64, where its own
+  // barrier just before staging is faster.
   static constexpr bool kDqFreeWithdS = !kStagePdS && HeadDim != 64;
   // Issue a block's dQ bulk reduce (barrier + bulk copy) only once the next
   // block's S/dP GEMMs are in flight, so the tensor cores do not idle across
-  // the loop turn (BwdMainloop; d128 +2.5-3.6% on an H200). Needs the folded
-  // free barrier above; at d64 it also cost registers (stack 80 -> 168 B,
-  // 10-12% slower). Never in deterministic mode (5-6% slower there: every
-  // semaphore hand-off to the next key block comes later).
+  // the loop turn (BwdMainloop). Needs the folded free barrier above; at d64
+  // it also cost registers (more stack, slower). Never in deterministic mode:
+  // every semaphore hand-off to the next key block would come later.
   static constexpr bool kDeferDqIssue = kDqFreeWithdS;
   // Rebuild every per-thread index of the mainloop (fragment coordinates,
   // stmatrix and dQ staging offsets) each query block from an opaque thread
   // index (BwdMainloop). Only at d64, whose two 128-row S/dP tiles leave no
   // registers to hold them across the loop (they were spilled and reloaded
-  // every block; 1-2% slower). Its softcap loop still spills (the tanh slope
-  // needs x and P at once) but exempting it cost the plain loop 2%. At
-  // d128/d256 the recomputation cost 1-2% (H200, 2026-12-01).
+  // every block). Its softcap loop still spills (the tanh slope needs x and P
+  // at once), and exempting it slowed the plain loop. At d128/d256 the
+  // recomputation costs more than it saves.
   static constexpr bool kFreshThreadIndex = HeadDim == 64;
 
   using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;  // Q and dO share a stage barrier
@@ -208,10 +205,8 @@ struct BwdTraits {
   static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBytesRowStats;
   static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
 
-  // Global tensors as TMA sees them: (seq, d, head, batch), head dim contiguous.
-  using ShapeSeq = Shape<int32_t, Int<kHeadDim>, int32_t, int32_t>;
-  using StrideSeq = Stride<int64_t, _1, int64_t, int64_t>;
-  using LayoutSeq = Layout<ShapeSeq, StrideSeq>;
+  // Global tensors as TMA sees them (common/kernel_common.h).
+  using LayoutSeq = SeqLayout<kHeadDim>;
 
   static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),

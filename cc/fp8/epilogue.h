@@ -46,16 +46,8 @@ struct Fp8Epilogue {
     auto thr_pv = mma_pv.get_thread_slice(mma_tid);
     Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor cO_rc = as_rowcol(cO);
-    Tensor o_rc = as_rowcol(acc_o);
     const int m_start = tile.m_block * kBlockM;
-
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < size<0>(o_rc); ++r) {
-      if (m_start + get<0>(cO_rc(r, 0)) >= q_len) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) { o_rc(r, c) = 0.f; }
-      }
-    }
+    Staged::zero_padded_rows(acc_o, cO_rc, m_start, q_len);
 
     Tensor rO = convert_fragment<ElementO>(acc_o);
     // The accumulator gives each thread column pairs (2t, 2t + 1) of every
@@ -79,14 +71,7 @@ struct Fp8Epilogue {
       }
     }
 
-    if (get<1>(cO_rc(0, 0)) == 0) {  // one thread per quad writes its rows' LSE
-      float* lse_ptr = p.lse + (int64_t(tile.batch) * p.n + tile.head) * p.t;
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        int row = m_start + get<0>(cO_rc(r, 0));
-        if (row < p.t) { lse_ptr[row] = row < q_len ? lse[r] : INFINITY; }
-      }
-    }
+    Staged::store_lse(p, tile, cO_rc, m_start, q_len, lse);
   }
 };
 

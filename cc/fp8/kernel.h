@@ -14,6 +14,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "../common/kernel_common.h"
 #include "params.h"
 #include "traits.h"
 #include "transpose.h"
@@ -59,33 +60,18 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const FwdParams& p = params.fwd;
 
-  const int warp_group = cutlass::canonical_warp_group_idx();
-  const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
-  const bool is_producer = warp_group == 0;
+  const WarpRoles roles = WarpRoles::make();
+  const int warp_in_group = roles.warp_in_group;
+  const bool is_producer = roles.is_producer;
   const bool is_transposer = !Traits::kVtInGmem && is_producer && warp_in_group > 0;
-  const bool lane_leader = cute::elect_one_sync();
-  const bool is_tma_thread = is_producer && warp_in_group == 0 && lane_leader;
-
-  if (is_tma_thread) {
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
-  }
+  const bool is_tma_thread = roles.tma_thread;
+  if (is_tma_thread) { prefetch_tma_descriptors(params.tma_q, params.tma_k, params.tma_v, params.tma_o); }
 
   // Q and K: TMA thread -> consumers. V: TMA thread -> transposers.
   // V^T: transposers -> consumers. kVtInGmem: V^T, TMA thread -> consumers.
   using Role = typename PipelineKV::ThreadCategory;
-  typename PipelineQ::Params pq;
-  pq.transaction_bytes = Traits::kTmaBytesQ;
-  pq.role = is_producer ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
-  pq.is_leader = is_tma_thread;
-  pq.num_consumers = Traits::kNumMmaThreads;
-  typename PipelineKV::Params pk;
-  pk.transaction_bytes = Traits::kTmaBytesKV;
-  pk.role = is_producer ? Role::Producer : Role::Consumer;
-  pk.is_leader = is_tma_thread;
-  pk.num_consumers = Traits::kNumMmaThreads;
+  const auto pq = tma_pipeline_params<PipelineQ>(roles, Traits::kTmaBytesQ, Traits::kNumMmaThreads);
+  const auto pk = tma_pipeline_params<PipelineKV>(roles, Traits::kTmaBytesKV, Traits::kNumMmaThreads);
   typename PipelineKV::Params pv = pk;
   if constexpr (!Traits::kVtInGmem) {
     pv.role = is_transposer ? Role::Consumer : (is_producer ? Role::Producer : Role::NonParticipant);
@@ -122,7 +108,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
         QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
-                                        min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+                                              min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
       }
       pipe_k.producer_tail(state_kv);
@@ -141,7 +127,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       int num_v_tiles = 0;
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
         QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
-                                        min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+                                              min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         num_v_tiles += max(mask.n_block_max - mask.n_block_min, 0);
       }
       int share = t_warp;  // rotates over the tiles (transpose.h)
@@ -182,7 +168,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
                                            min((tile.m_block * kBlockM + wg * kRowsPerWG) / kFp8BlockM, num_qs - 1)];
       const int64_t kv_row = (int64_t(tile.batch) * p.kh + kv_head) * num_n;
       QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
-                                      p.window_left, p.window_right);
+                                            p.window_left, p.window_right);
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax;
@@ -191,14 +177,13 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       // scale (mainloop.h): a causal tile's last blocks are masked for its
       // first warpgroup, and a reference taken over them would put every
       // P_j it sees through a ratio vs_j / vs_ref < 1 before the e4m3 cast
-      // (with amax V scales, not powers of two, that changed the rounding of
-      // a causal problem's first rows: RMSE +17%, session 15). 128-row tiles
-      // keep the tile's range (the same without a left window; the per-
-      // warpgroup mask cost d256 0.6%).
+      // (with amax V scales, not powers of two, that changes the rounding of
+      // a causal problem's first rows). 128-row tiles keep the tile's range
+      // (the same without a left window, and cheaper).
       int ref_lo = mask.n_block_min, ref_hi = mask.n_block_max;
       if constexpr (kBlockM > kFp8BlockM) {
         const QueryBlockMask<kRowsPerWG, kBlockN> wg_mask(tile.m_block * (kBlockM / kRowsPerWG) + wg, q_len,
-                                                    min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+                                                          min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         if (!wg_mask.empty()) { ref_lo = wg_mask.n_block_min; ref_hi = wg_mask.n_block_max; }  // else rows past q_len
       }
       const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, ref_lo, ref_hi,
@@ -223,13 +208,8 @@ cudaError_t launch_fp8_fwd(const Fp8FwdParams& fp, cudaStream_t stream) {
   if (fp.v_transposed != VtInGmem) { return cudaErrorInvalidValue; }  // the handler picks by layout
   using Scheduler = PersistentTileScheduler;
   using Element = typename Traits::Element;
-  using LayoutSeq = typename Traits::LayoutSeq;
   const FwdParams& p = fp.base;
-  auto layout = [](int seq, int heads, int batch) {
-    return LayoutSeq(make_shape(seq, Int<HeadDim>{}, heads, batch),
-                     make_stride(int64_t(heads) * HeadDim, _1{}, int64_t(HeadDim),
-                                 int64_t(seq) * heads * HeadDim));
-  };
+  auto layout = btnh_layout<HeadDim>;
   auto make_tma_v = [&](const Element* ptr) {
     if constexpr (VtInGmem) {
       // The extent is the padded length: in a partial last block, positions
@@ -250,14 +230,8 @@ cudaError_t launch_fp8_fwd(const Fp8FwdParams& fp, cudaStream_t stream) {
       Traits::make_tma_o(static_cast<ElementO*>(p.o), layout(p.t, p.n, p.b)),
       fp.q_scale, fp.k_scale, fp.v_scale,
   };
-  auto kernel = fp8_fwd_kernel<Traits, Scheduler>;
-  constexpr int smem_bytes = Traits::kSmemBytes;
-  cudaError_t attr_status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (attr_status != cudaSuccess) { return attr_status; }
-  dim3 grid = Scheduler::grid(p, Traits::kBlockM);
-  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
-  return cudaGetLastError();
+  return launch_kernel(fp8_fwd_kernel<Traits, Scheduler>, Scheduler::grid(p, Traits::kBlockM), Traits::kNumThreads,
+                       Traits::kSmemBytes, stream, kp);
 }
 
 }  // namespace jax_fa3

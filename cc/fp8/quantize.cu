@@ -22,18 +22,13 @@ namespace jax_fa3 {
 namespace {
 
 // Threads per CTA by head dim: more warps in flight per SM hide the load
-// latency (one CTA is 128 rows of one head). H200, b2 t8192 (d64: b4 t4096
-// n32), Q + K + V: d128 0.257 -> 0.178 ms with 512 threads instead of 256,
-// d256 0.298 -> 0.205 (512) -> 0.176 ms (1024), d64 0.310 -> 0.285 (512;
-// 1024: 0.375).
+// latency (one CTA is 128 rows of one head); d64 at 1024 was slower.
 template <int kD> constexpr int kThreadsFor = kD >= 256 ? 1024 : 512;
 // CTAs per SM the register budget must allow (launch bounds). Without a
-// minimum ptxas gave d128 50 registers: 2 CTAs (1024 threads) per SM; capped
-// at 40 (no spills) 3 fit: Q + K + V, 16k tokens, V^T 0.174 -> 0.159 ms,
-// plain 0.141 -> 0.126 (H200, session 16; 4 CTAs at 32 registers spill and
-// gave 0.137). d64 needs its 4 stated: with a minimum of 1 ptxas takes 56
-// registers and the pre-pass slows by 16%. d256 (one 1024-thread CTA per SM)
-// spills 156 B at the 32 registers two would need, and measured 4% slower.
+// minimum ptxas gave d128 50 registers, 2 CTAs per SM; capped at 40 (no
+// spills) 3 fit (4 at 32 registers spill). d64 needs its 4 stated, else ptxas
+// takes 56 registers. d256 (one 1024-thread CTA per SM) spills at the 32
+// registers two would need.
 template <int kD> constexpr int kMinCtasFor = kD == 64 ? 4 : kD == 128 ? 3 : 1;
 template <int kD> constexpr bool kStagedFor = kD <= 128;  // see quantize_kernel
 constexpr int kMaxBlockRows = 128;
@@ -42,16 +37,12 @@ constexpr float kE4M3Max = 448.f;
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
-// Lanes per row (session 16; before, every head dim had a row per warp, each
-// lane kD / 32 consecutive elements, i.e. 5 shuffle rounds per element).
-// Staged d64: 4 (one row per thread, 2 rounds); d128: 8 (2 rows per thread,
-// 3 rounds; ptxas spills 28 B at the 40-register cap). d256 (direct loads,
-// 1024 threads): a row per warp, 4 rows per lane. Q + K + V, 16k tokens, H200,
-// ms, V^T / plain: d64 0.175 -> 0.160 / 0.146 -> 0.127; d128 4 lanes 0.170 /
-// 0.137, 8 lanes 0.159 / 0.119, 32 lanes 0.172 / 0.130 (the old code: 0.159 /
-// 0.126); d256 0.212 -> 0.215 / 0.178 -> 0.175 (its 8-byte instead of 16-byte
-// loads). The butterflies are the same operations in the same stride order
-// for every choice: the output is bit for bit the old one.
+// Lanes per row: fewer lanes per row mean fewer shuffle rounds of the
+// Hadamard butterfly per element (a row per warp takes 5). Staged d64: 4 (one
+// row per thread, 2 rounds); d128: 8 (2 rows per thread, 3 rounds; ptxas
+// spills 28 B at the 40-register cap). d256 (direct loads, 1024 threads): a
+// row per warp, 4 rows per lane. The butterflies are the same operations in
+// the same stride order for every choice, so the output does not depend on it.
 template <int kD> constexpr int kLanesPerRowFor = kD == 64 ? 4 : kD == 128 ? 8 : 32;
 
 template <class T, int kD>
@@ -65,9 +56,8 @@ quantize_kernel(const QuantParams p) {
   __shared__ float warp_amax[kWarps];
 
   // Grid (row block, head, tensor x batch), sized for the largest tensor; a
-  // CTA past its tensor's row blocks or heads (GQA K/V, sk != sq) exits. The
-  // flat block index it replaces took four integer divisions per thread: 10%
-  // of the pre-pass's instructions and 20% of its stall samples (ncu, d128).
+  // CTA past its tensor's row blocks or heads (GQA K/V, sk != sq) exits (a
+  // flat block index took four integer divisions per thread).
   const int which = int(blockIdx.z >= unsigned(p.b)) + int(blockIdx.z >= 2u * unsigned(p.b));
   const int batch = int(blockIdx.z) - which * p.b;
   const QuantTensor& qt = p.t[which];
@@ -83,14 +73,10 @@ quantize_kernel(const QuantParams p) {
   // d64 / d128: the block is staged in shared memory first (cp.async, rows
   // past seq as zeros), every load in flight at once and no registers held
   // for them. Loading each row from global memory next to its Hadamard
-  // shuffles kept one load in flight per warp. Q+K+V with V^T, 16k tokens:
-  // d128 0.211 -> 0.185 ms, d64 0.316 -> 0.202 (H200, session 13). At d256
-  // (1024 threads, one CTA per SM) the staged CTA's load / compute / store
-  // phases no longer overlap another CTA's (0.211 -> 0.229 ms), so d256
-  // keeps the direct loads. Also measured slower: all direct loads hoisted
-  // into registers (82 registers at d128, spills at d256), and persistent
-  // CTAs staging the next block while quantizing this one (d64 0.220, d128
-  // 0.193, d256 0.213). The buffer later holds the V^T tile.
+  // shuffles kept one load in flight per warp. At d256 (1024 threads, one
+  // CTA per SM) the staged CTA's load / compute / store phases no longer
+  // overlap another CTA's, so d256 keeps the direct loads. The buffer later
+  // holds the V^T tile.
   constexpr bool kStaged = kStagedFor<kD>;
   extern __shared__ __align__(128) uint8_t staged[];
   if constexpr (kStaged) {

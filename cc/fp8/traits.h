@@ -19,6 +19,8 @@
 #include <cutlass/pipeline/pipeline.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "../common/kernel_common.h"
+
 #include "params.h"
 
 namespace jax_fa3 {
@@ -152,9 +154,9 @@ struct Fp8FwdTraits {
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
+  // Global tensors as TMA sees them (common/kernel_common.h).
+  using LayoutSeq = SeqLayout<kHeadDim>;
   using ShapeSeq = Shape<int32_t, Int<kHeadDim>, int32_t, int32_t>;
-  using StrideSeq = Stride<int64_t, _1, int64_t, int64_t>;
-  using LayoutSeq = Layout<ShapeSeq, StrideSeq>;
 
   static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),

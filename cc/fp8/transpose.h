@@ -68,8 +68,7 @@ struct VTransposer {
   // d256 producer.)
   static constexpr int kUnitsD = kHeadDim / 32;
   // Units loaded before the first store (4 registers each): one shared-
-  // memory latency per batch. 1 and 4 measured the same at d256 (H200,
-  // kernel-only, within +-2%, session 16).
+  // memory latency per batch (1 and 4 ran the same).
   static constexpr int kBatch = 2;
   static_assert(kUnitsD % kBatch == 0);
   // The warps take rows share, share + kWarps, ...: 8 rows do not divide by 3

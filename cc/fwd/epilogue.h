@@ -33,6 +33,33 @@ struct Epilogue {
     if (mma_tid % kWGThreads == 0) { tma_store_wait<0>(); }
   }
 
+  // Rows past q_len leave as zeros.
+  template <class TO, class TC>
+  CUTE_DEVICE static void zero_padded_rows(TO& acc_o, TC const& cO_rc, int m_start, int q_len) {
+    Tensor o_rc = as_rowcol(acc_o);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(o_rc); ++r) {
+      if (m_start + get<0>(cO_rc(r, 0)) >= q_len) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) { o_rc(r, c) = 0.f; }
+      }
+    }
+  }
+
+  // One thread of each quad writes the LSE of its rows (+inf past q_len).
+  template <int kRows, class TC>
+  CUTE_DEVICE static void store_lse(const FwdParams& p, const WorkTile& tile, TC const& cO_rc, int m_start,
+                                    int q_len, const float (&lse)[kRows]) {
+    if (get<1>(cO_rc(0, 0)) == 0) {
+      float* lse_ptr = p.lse + (int64_t(tile.batch) * p.n + tile.head) * p.t;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int row = m_start + get<0>(cO_rc(r, 0));
+        if (row < p.t) { lse_ptr[row] = row < q_len ? lse[r] : INFINITY; }
+      }
+    }
+  }
+
   template <int kRows, class TO>
   CUTE_DEVICE static void store(const KernelParams& params, typename Traits::SharedStorage& smem,
                                 int mma_tid, const WorkTile& tile, int q_len,
@@ -42,16 +69,8 @@ struct Epilogue {
     auto thr_pv = mma_pv.get_thread_slice(mma_tid);
     Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor cO_rc = as_rowcol(cO);
-    Tensor o_rc = as_rowcol(acc_o);
     const int m_start = tile.m_block * kBlockM;
-
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < size<0>(o_rc); ++r) {
-      if (m_start + get<0>(cO_rc(r, 0)) >= q_len) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) { o_rc(r, c) = 0.f; }
-      }
-    }
+    zero_padded_rows(acc_o, cO_rc, m_start, q_len);
 
     Tensor rO = convert_fragment<ElementO>(acc_o);
     ElementO* o_buffer;
@@ -77,23 +96,13 @@ struct Epilogue {
       Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<Int<kRowsPerWG>, Int<kHeadDim>>{},
                              make_coord(tile.m_block * (kBlockM / kRowsPerWG) + wg, _0{}));
       Tensor sOw = local_tile(sO, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{}, make_coord(wg, _0{}));
-      auto [tOgO, tOsO_tma] = tma_partition(params.tma_o, Int<0>{}, Layout<_1>{},
-                                            group_modes<0, 2>(sOw), group_modes<0, 2>(gO));
-      copy(params.tma_o, tOsO_tma, tOgO);
+      tma_store_tile(params.tma_o, sOw, gO);
       tma_store_arrive();
       // An O staged in Q's buffer must be read out before Q is released.
       if constexpr (!Traits::kSeparateO) { tma_store_wait<0>(); }
     }
 
-    // One thread of each quad writes the LSE of its rows.
-    if (get<1>(cO_rc(0, 0)) == 0) {
-      float* lse_ptr = p.lse + (int64_t(tile.batch) * p.n + tile.head) * p.t;
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        int row = m_start + get<0>(cO_rc(r, 0));
-        if (row < p.t) { lse_ptr[row] = row < q_len ? lse[r] : INFINITY; }
-      }
-    }
+    store_lse(p, tile, cO_rc, m_start, q_len, lse);
   }
 };
 

@@ -9,6 +9,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "../common/kernel_common.h"
 #include "params.h"
 #include "traits.h"
 #include "tile_scheduler.h"
@@ -44,34 +45,14 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const FwdParams& p = params.fwd;
 
-  const int warp_group = cutlass::canonical_warp_group_idx();
-  const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
-  const bool is_producer = warp_group == 0;
-  const bool lane_leader = cute::elect_one_sync();
-  // The one thread that issues TMA loads.
-  const bool is_issuer = is_producer && warp_in_group == 0 && lane_leader;
+  const WarpRoles roles = WarpRoles::make();
+  const bool is_producer = roles.is_producer;
+  if (roles.tma_thread) { prefetch_tma_descriptors(params.tma_q, params.tma_k, params.tma_v, params.tma_o); }
 
-  if (is_issuer) {
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
-  }
-
-  // Pipelines: one TMA-issuing thread is the producer; all consumer threads
-  // arrive on the "empty" barriers.
-  using Role = typename PipelineKV::ThreadCategory;
-  typename PipelineQ::Params pq;
-  pq.transaction_bytes = Traits::kTmaBytesQ;
-  pq.role = is_producer ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
-  pq.is_leader = is_issuer;
-  pq.num_consumers = Traits::kNumMmaThreads;
-  typename PipelineKV::Params pkv;
-  pkv.transaction_bytes = Traits::kTmaBytesKV;
-  pkv.role = is_producer ? Role::Producer : Role::Consumer;
-  pkv.is_leader = pq.is_leader;
-  pkv.num_consumers = Traits::kNumMmaThreads;
-
+  // Pipelines: the TMA thread produces; all consumer threads arrive on the
+  // "empty" barriers.
+  const auto pq = tma_pipeline_params<PipelineQ>(roles, Traits::kTmaBytesQ, Traits::kNumMmaThreads);
+  const auto pkv = tma_pipeline_params<PipelineKV>(roles, Traits::kTmaBytesKV, Traits::kNumMmaThreads);
   PipelineQ pipe_q(smem.pipe_q, pq, Shape<_1, _1, _1>{});
   PipelineKV pipe_k(smem.pipe_k, pkv, Shape<_1, _1, _1>{});
   PipelineKV pipe_v(smem.pipe_v, pkv, Shape<_1, _1, _1>{});
@@ -81,13 +62,13 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
 
   if (is_producer) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp_in_group == 0 && lane_leader) {
+    if (roles.tma_thread) {
       ProducerLoad<Traits, Params> producer{params, smem};
       auto state_q = cutlass::make_producer_start_state<PipelineQ>();
       auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
         QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
-                                        min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+                                              min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
         producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
       }
       // Do not retire while loads this thread issued could still be landing.
@@ -110,7 +91,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
       const int q_len = min(p.q_lens[tile.batch], p.t);
       QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
-                                      p.window_left, p.window_right);
+                                            p.window_left, p.window_right);
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax(scale_log2);
@@ -153,12 +134,7 @@ template <class Element, int HeadDim, class Tile = FwdTileConfig<HeadDim>>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraits<Element, HeadDim, Tile>;
   using Scheduler = PersistentTileScheduler;
-  using LayoutSeq = typename Traits::LayoutSeq;
-  auto layout = [](int seq, int heads, int batch) {
-    return LayoutSeq(make_shape(seq, Int<HeadDim>{}, heads, batch),
-                     make_stride(int64_t(heads) * HeadDim, _1{}, int64_t(HeadDim),
-                                 int64_t(seq) * heads * HeadDim));
-  };
+  auto layout = btnh_layout<HeadDim>;
   FwdKernelParams<Traits> kp{
       p,
       Traits::make_tma_q(static_cast<const Element*>(p.q), layout(p.t, p.n, p.b)),
@@ -166,16 +142,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
       Traits::make_tma_o(static_cast<Element*>(p.o), layout(p.t, p.n, p.b)),
   };
-  auto kernel = fwd_kernel<Traits, Scheduler>;
-  constexpr int smem_bytes = Traits::kSmemBytes;
-  // Per launch, not once per process: the attribute is per device, and one
-  // process may drive several GPUs. It is a host-side call of about a microsecond.
-  cudaError_t attr_status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (attr_status != cudaSuccess) { return attr_status; }
-  dim3 grid = Scheduler::grid(p, Traits::kBlockM);
-  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
-  return cudaGetLastError();
+  return launch_kernel(fwd_kernel<Traits, Scheduler>, Scheduler::grid(p, Traits::kBlockM), Traits::kNumThreads,
+                       Traits::kSmemBytes, stream, kp);
 }
 
 }  // namespace jax_fa3

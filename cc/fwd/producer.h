@@ -39,12 +39,9 @@ struct ProducerLoad {
                            make_coord(_, _0{}));  // (BN, D, n_blocks)
     Tensor gV = local_tile(mV(_, _, kv_head, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(_, _0{}));
-    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(params.tma_k, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(params.tma_v, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    auto [tQgQ, tQsQ] = tma_views(params.tma_q, sQ, gQ);
+    auto [tKgK, tKsK] = tma_views(params.tma_k, sK, gK);
+    auto [tVgV, tVsV] = tma_views(params.tma_v, sV, gV);
     return cute::make_tuple(tQgQ, tQsQ, tKgK, tKsK, tVgV, tVsV);
   }
 

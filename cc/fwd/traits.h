@@ -11,6 +11,8 @@
 #include <cutlass/pipeline/pipeline.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "../common/kernel_common.h"
+
 namespace jax_fa3 {
 
 using namespace cute;
@@ -132,10 +134,8 @@ struct FwdTraits {
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
-  // Global tensors as TMA sees them: (seq, d, head, batch), head dim contiguous.
-  using ShapeSeq = Shape<int32_t, Int<kHeadDim>, int32_t, int32_t>;
-  using StrideSeq = Stride<int64_t, _1, int64_t, int64_t>;
-  using LayoutSeq = Layout<ShapeSeq, StrideSeq>;
+  // Global tensors as TMA sees them (common/kernel_common.h).
+  using LayoutSeq = SeqLayout<kHeadDim>;
 
   static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
