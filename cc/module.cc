@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+// The C entry points of cc/ffi/*_handler.cc.
 extern "C" {
 void* jax_fa3_fwd_handler();
 int jax_fa3_num_fwd_kernels();
@@ -25,46 +26,62 @@ void jax_fa3_fp8_fwd_kernel_config(int i, int* out_dtype, int* head_dim);
 
 namespace nb = nanobind;
 
+namespace {
+
+// FFI target name -> handler, as jax.ffi.register_ffi_target takes them.
+struct Target {
+  const char* name;
+  void* (*handler)();
+};
+constexpr Target kTargets[] = {
+    {"jax_fa3_fwd", jax_fa3_fwd_handler},
+    {"jax_fa3_bwd", jax_fa3_bwd_handler},
+    {"jax_fa3_fp8_quantize", jax_fa3_fp8_quantize_handler},
+    {"jax_fa3_fp8_fwd", jax_fa3_fp8_fwd_handler},
+};
+
+using Config = std::pair<std::string, int>;
+
+// (dtype name, head dim) of the rows of one kernel table that `config`
+// accepts; config(i, &dtype, &head_dim) fills row i (DType numbering).
+template <class ConfigFn>
+std::vector<Config> list_configs(int count, ConfigFn config) {
+  static const char* names[] = {"bfloat16", "float16"};
+  std::vector<Config> out;
+  for (int i = 0; i < count; ++i) {
+    int dtype = 0, head_dim = 0;
+    if (config(i, &dtype, &head_dim)) { out.emplace_back(names[dtype], head_dim); }
+  }
+  return out;
+}
+
+// For the tables whose every row is reported.
+template <void (*Fn)(int, int*, int*)>
+bool every_row(int i, int* dtype, int* head_dim) {
+  Fn(i, dtype, head_dim);
+  return true;
+}
+
+}  // namespace
+
 NB_MODULE(_jax_fa3, m) {
   m.doc() = "jax_fa3 native kernels (XLA FFI handlers)";
   m.def("registrations", [] {
     nb::dict d;
-    d["jax_fa3_fwd"] = nb::capsule(jax_fa3_fwd_handler());
-    d["jax_fa3_bwd"] = nb::capsule(jax_fa3_bwd_handler());
-    d["jax_fa3_fp8_quantize"] = nb::capsule(jax_fa3_fp8_quantize_handler());
-    d["jax_fa3_fp8_fwd"] = nb::capsule(jax_fa3_fp8_fwd_handler());
+    for (const Target& t : kTargets) { d[t.name] = nb::capsule(t.handler()); }
     return d;
   });
+  // Forward: only the default tiles, the kernels Python dispatches to by (dtype, head dim).
   m.def("compiled_configs", [] {
-    static const char* names[] = {"bfloat16", "float16"};
-    std::vector<std::pair<std::string, int>> out;
-    for (int i = 0; i < jax_fa3_num_fwd_kernels(); ++i) {
-      int dtype = 0, hd = 0;
-      if (jax_fa3_fwd_kernel_config(i, &dtype, &hd)) { out.emplace_back(names[dtype], hd); }
-    }
-    return out;
+    return list_configs(jax_fa3_num_fwd_kernels(), jax_fa3_fwd_kernel_config);
   });
   // (dtype, head dim) pairs with a backward kernel; the others differentiate
   // through the reference backward.
   m.def("compiled_bwd_configs", [] {
-    static const char* names[] = {"bfloat16", "float16"};
-    std::vector<std::pair<std::string, int>> out;
-    for (int i = 0; i < jax_fa3_num_bwd_kernels(); ++i) {
-      int dtype = 0, hd = 0;
-      jax_fa3_bwd_kernel_config(i, &dtype, &hd);
-      out.emplace_back(names[dtype], hd);
-    }
-    return out;
+    return list_configs(jax_fa3_num_bwd_kernels(), every_row<jax_fa3_bwd_kernel_config>);
   });
-  // (output dtype, head dim) pairs with an FP8 forward kernel (issue 5).
+  // (output dtype, head dim) pairs with an FP8 forward kernel, one per V layout.
   m.def("compiled_fp8_configs", [] {
-    static const char* names[] = {"bfloat16", "float16"};
-    std::vector<std::pair<std::string, int>> out;
-    for (int i = 0; i < jax_fa3_num_fp8_fwd_kernels(); ++i) {
-      int dtype = 0, hd = 0;
-      jax_fa3_fp8_fwd_kernel_config(i, &dtype, &hd);
-      out.emplace_back(names[dtype], hd);
-    }
-    return out;
+    return list_configs(jax_fa3_num_fp8_fwd_kernels(), every_row<jax_fa3_fp8_fwd_kernel_config>);
   });
 }

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# Builds what a GPU machine needs, here (no GPU required): the kernel library
-# (once, Python-independent) and the nanobind binding for the device's Python
-# (3.12), both dropped into jax_fa3/ (git-ignored) so `PYTHONPATH=.` imports
-# them there. Then prints the SASS census of the kernels.
-#   scripts/stage_gpu.sh            # all head dims / dtypes
-#   JAX_FA3_HEAD_DIMS=128 scripts/stage_gpu.sh
+# Builds for a GPU machine on another one (no GPU needed): the kernel library
+# once (it does not depend on the Python version) and the nanobind binding for
+# the GPU machine's Python, both copied into jax_fa3/ (git-ignored) so that
+# `PYTHONPATH=.` imports them there.
+#   PY_DEVICE=/path/to/python3.12 scripts/stage_gpu.sh
+#   JAX_FA3_HEAD_DIMS=128 TOOLS=1 scripts/stage_gpu.sh   # one head dim, plus the check drivers
+# PY_KERNELS: the Python whose jaxlib gives the FFI headers (python3); PY_DEVICE:
+# the GPU machine's Python version, with nanobind installed (default: PY_KERNELS);
+# TOOLS=1 also builds build-k/jax_fa3_*_check; JOBS: parallel compiles (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY_KERNELS=${PY_KERNELS:-python3}                                  # its jaxlib gives the FFI headers
-PY_DEVICE=${PY_DEVICE:-$(PYENV_VERSION=3.12.1 pyenv which python)}  # the GPU machine's Python version
+PY_KERNELS=${PY_KERNELS:-python3}
+PY_DEVICE=${PY_DEVICE:-$PY_KERNELS}
 JOBS=${JOBS:-2}
+tools=OFF; [ "${TOOLS:-0}" = 1 ] && tools=ON
 
-cmake -S . -B build-k -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY_KERNELS")" >/dev/null
-ninja -C build-k -j"$JOBS" jax_fa3_kernels
-cmake -S . -B build-py312 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$PY_DEVICE" \
+cmake -S . -B build-k -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY_KERNELS")" \
+  -DJAX_FA3_BUILD_TOOLS=$tools >/dev/null
+ninja -C build-k -j"$JOBS" jax_fa3_kernels $([ $tools = ON ] && echo jax_fa3_fwd_check jax_fa3_bwd_check jax_fa3_fp8_check)
+cmake -S . -B build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY_DEVICE")" \
   -DJAX_FA3_KERNEL_LIB="$PWD/build-k/libjax_fa3_kernels.so" >/dev/null
-ninja -C build-py312 _jax_fa3
-cp build-k/libjax_fa3_kernels.so build-py312/_jax_fa3*.so jax_fa3/
+ninja -C build-py _jax_fa3
+cp build-k/libjax_fa3_kernels.so build-py/_jax_fa3*.so jax_fa3/
 ls -la jax_fa3/*.so
-if [ -f ../shared/tools/sass_report.py ]; then
-  python3 ../shared/tools/sass_report.py jax_fa3/libjax_fa3_kernels.so --require HGMMA,UTMALDG,USETMAXREG
-fi

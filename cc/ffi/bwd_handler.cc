@@ -5,72 +5,24 @@
 // lowering discards, so XLA owns every byte the kernels touch and nothing is
 // allocated here.
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include <cuda_runtime_api.h>
 #include "xla/ffi/api/ffi.h"
 
-#include "sm_count.h"
+#include "common.h"
 
 #include "../bwd/params.h"
-
-namespace ffi = xla::ffi;
 
 namespace jax_fa3 {
 namespace {
 
-// A/B switch for the dQ reduction (see BwdParams::dq_atomic).
-bool dq_atomic() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_FA3_BWD_DQ_ATOMIC");
-    return v && *v && std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
+constexpr const char* kWho = "jax_fa3_bwd";
 
-// A/B switch for splitting the last wave's key blocks (BwdParams::split_tail).
-bool split_tail() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_FA3_BWD_SPLIT");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return on;
-}
-
-// A/B switches for the dispatch order of causal-like runs (BwdParams::head_major_only, ::chunk).
-bool head_major_only() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_FA3_BWD_ORDER");
-    return v != nullptr && std::strcmp(v, "head") == 0;
-  }();
-  return on;
-}
-int chunk_width() {
-  static const int width = [] {
-    const char* v = std::getenv("JAX_FA3_BWD_CHUNK");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
-  return width;
-}
-
-// The knobs and the device facts the handler and the XLA-free entry both fill in.
-void apply_env_knobs(BwdParams& p) {
-  p.dq_atomic = dq_atomic();
-  p.split_tail = split_tail();
-  p.head_major_only = head_major_only();
-  p.chunk = chunk_width();
-  if (p.num_sms == 0) { p.num_sms = sm_count(); }
-}
-
-// The compiled instantiation for (dtype, head dim), or nullptr; shared by the
-// FFI handler and the XLA-free C entry below.
-const BwdKernelEntry* find_bwd_kernel(DType dtype, int head_dim) {
-  for (int i = 0; i < kNumBwdKernels; ++i) {
-    if (kBwdKernels[i].dtype == dtype && kBwdKernels[i].head_dim == head_dim) { return &kBwdKernels[i]; }
-  }
-  return nullptr;
+const BwdKernelEntry* find_kernel(DType dtype, int head_dim) {
+  return find_entry(kBwdKernels, kNumBwdKernels, [&](const BwdKernelEntry& e) {
+    return e.dtype == dtype && e.head_dim == head_dim;
+  });
 }
 
 // Query rows of the fp32 scratch (BwdParams::t_pad).
@@ -94,39 +46,29 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::Buffer<ffi::S32>> semaphore, ffi::Result<ffi::Buffer<ffi::F32>> dkv_split,
                    float scale, float softcap,
                    int32_t window_left, int32_t window_right, int32_t deterministic) {
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4) {
-    return ffi::Error::InvalidArgument("jax_fa3_bwd: q, k, v must be rank 4 [B, T, N, H]");
-  }
+  if (!all_rank4(q, k, v)) { return invalid(kWho, "q, k, v must be rank 4 [B, T, N, H]"); }
   const auto et = q.element_type();
   if (k.element_type() != et || v.element_type() != et || o.element_type() != et ||
       dout.element_type() != et || dq->element_type() != et || dk->element_type() != et ||
       dv->element_type() != et) {
-    return ffi::Error::InvalidArgument("jax_fa3_bwd: q, k, v, out, dout and the gradients must share one dtype");
+    return invalid(kWho, "q, k, v, out, dout and the gradients must share one dtype");
   }
   DType dtype;
-  switch (et) {
-    case ffi::DataType::BF16: dtype = DType::kBF16; break;
-    case ffi::DataType::F16: dtype = DType::kFP16; break;
-    default: return ffi::Error::InvalidArgument("jax_fa3_bwd: dtype must be bfloat16 or float16");
-  }
+  if (!to_dtype(et, &dtype)) { return invalid(kWho, "dtype must be bfloat16 or float16"); }
   BwdParams p;
-  p.b = int(qd[0]); p.t = int(qd[1]); p.n = int(qd[2]); p.d = int(qd[3]);
-  p.s = int(kd[1]); p.kh = int(kd[2]);
+  set_dims(p, q, k);
   p.t_pad = padded_rows(p.t);
   const size_t rows = size_t(p.b) * p.n * p.t_pad;
-  if (kd[0] != p.b || kd[3] != p.d || p.kh == 0 || p.n % p.kh != 0 ||
-      !same_dims(v.dimensions(), kd) || !same_dims(o.dimensions(), qd) || !same_dims(dout.dimensions(), qd) ||
+  if (!k_matches_q(p, k) || !same_dims(v.dimensions(), k.dimensions()) ||
+      !same_dims(o.dimensions(), q.dimensions()) || !same_dims(dout.dimensions(), q.dimensions()) ||
       lse.element_count() != size_t(p.b) * p.n * p.t) {
-    return ffi::Error::InvalidArgument("jax_fa3_bwd: inconsistent q/k/v/out/lse/dout shapes");
+    return invalid(kWho, "inconsistent q/k/v/out/lse/dout shapes");
   }
-  if (q_lens.element_count() != size_t(p.b) || kv_lens.element_count() != size_t(p.b)) {
-    return ffi::Error::InvalidArgument("jax_fa3_bwd: seq-length arrays must have shape [B]");
-  }
+  if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
   if (dq_accum->element_count() != rows * p.d || delta->element_count() != rows ||
       lse_log2->element_count() != rows || semaphore->element_count() != rows / kBwdBlockM ||
       int64_t(dkv_split->element_count()) != bwd_split_scratch_floats(p.b, p.s, p.kh, p.d)) {
-    return ffi::Error::InvalidArgument("jax_fa3_bwd: scratch outputs have the wrong size");
+    return invalid(kWho, "scratch outputs have the wrong size");
   }
   if (p.b == 0 || p.n == 0 || p.d == 0) { return ffi::Error::Success(); }
   if (p.t == 0 || p.s == 0) {  // no scores: every gradient is zero
@@ -144,22 +86,17 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.lse_log2 = lse_log2->typed_data(); p.semaphore = semaphore->typed_data();
   p.dkv_split = dkv_split->typed_data(); p.dkv_split_floats = int64_t(dkv_split->element_count());
   p.scale = scale; p.softcap = softcap;
-  // As in the forward: a window side covering the whole sequence is dropped.
-  p.window_left = (window_left < 0 || window_left >= p.t) ? -1 : window_left;
-  p.window_right = (window_right < 0 || window_right >= p.s) ? -1 : window_right;
+  p.window_left = clamp_window(window_left, p.t);
+  p.window_right = clamp_window(window_right, p.s);
   p.deterministic = deterministic != 0;
-  apply_env_knobs(p);
+  p.num_sms = sm_count();
 
-  const BwdKernelEntry* e = find_bwd_kernel(dtype, p.d);
+  const BwdKernelEntry* e = find_kernel(dtype, p.d);
   if (e == nullptr) {
-    return ffi::Error::InvalidArgument("jax_fa3_bwd: no backward kernel was compiled for head dim " +
-                                       std::to_string(p.d) + " with this dtype");
+    return invalid(kWho, "no backward kernel was compiled for head dim " + std::to_string(p.d) +
+                         " with this dtype");
   }
-  cudaError_t err = e->launch(p, stream);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_fa3_bwd: launch failed: ") + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return launch_status(kWho, e->launch(p, stream));
 }
 
 }  // namespace
@@ -192,31 +129,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("deterministic"),
     {ffi::Traits::kCmdBufferCompatible});
 
-extern "C" {
-__attribute__((visibility("default"))) void* jax_fa3_bwd_handler() {
-  return reinterpret_cast<void*>(JaxFa3Bwd);
+JAX_FA3_EXPORT void* jax_fa3_bwd_handler() { return reinterpret_cast<void*>(JaxFa3Bwd); }
+JAX_FA3_EXPORT int jax_fa3_num_bwd_kernels() { return jax_fa3::kNumBwdKernels; }
+JAX_FA3_EXPORT void jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim) {
+  *dtype = int(jax_fa3::kBwdKernels[i].dtype);
+  *head_dim = jax_fa3::kBwdKernels[i].head_dim;
 }
-__attribute__((visibility("default"))) int jax_fa3_num_bwd_kernels() { return jax_fa3::kNumBwdKernels; }
 // Direct launch without XLA (cc/tools/bwd_check.cc: compute-sanitizer runs).
 // p: a non-empty problem (the handler's zero-size shortcuts are not repeated)
 // with every pointer set, scratch included (sizes as in BwdParams; the
 // launcher initializes all of it). Returns 0, a cudaError_t, or -1 when
 // (dtype, head dim) is not compiled.
-__attribute__((visibility("default"))) int jax_fa3_bwd_launch(const jax_fa3::BwdParams* p, int dtype,
-                                                              cudaStream_t stream) {
-  const jax_fa3::BwdKernelEntry* e = jax_fa3::find_bwd_kernel(jax_fa3::DType(dtype), p->d);
+JAX_FA3_EXPORT int jax_fa3_bwd_launch(const jax_fa3::BwdParams* p, int dtype, cudaStream_t stream) {
+  const jax_fa3::BwdKernelEntry* e = jax_fa3::find_kernel(jax_fa3::DType(dtype), p->d);
   if (e == nullptr) { return -1; }
   // The scratch is indexed with t_pad: a caller's mismatch would be an
   // out-of-bounds access the sanitizer blames on the kernel.
-  if (p->t_pad != jax_fa3::padded_rows(p->t)) {
-    return int(cudaErrorInvalidValue);
-  }
+  if (p->t_pad != jax_fa3::padded_rows(p->t)) { return int(cudaErrorInvalidValue); }
   jax_fa3::BwdParams params = *p;
-  jax_fa3::apply_env_knobs(params);
+  if (params.num_sms == 0) { params.num_sms = jax_fa3::sm_count(); }
   return int(e->launch(params, stream));
-}
-__attribute__((visibility("default"))) void jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim) {
-  *dtype = int(jax_fa3::kBwdKernels[i].dtype);
-  *head_dim = jax_fa3::kBwdKernels[i].head_dim;
-}
 }

@@ -1,7 +1,7 @@
-// Standalone FP8 check (issue 5): runs the quantize pre-pass and the FP8
+// Standalone FP8 check: runs the quantize pre-pass and the FP8
 // forward WITHOUT XLA on small random problems and compares against host
 // references. It exists for compute-sanitizer (the V-transpose pipeline is
-// the new synchronization to race-check) and for ncu.
+// synchronization to race-check) and for ncu.
 //   jax_fa3_fp8_check [--hdims 64,128,256]
 //     pre-pass: scales vs a host float64 rotation + block amax; e4m3 bytes vs
 //     host rounding of the device's own scales (ties may differ: <= 0.2%).
@@ -14,9 +14,9 @@
 //   --layout L        V layout(s) to check: default ([B, S, K, H], transposed
 //                     in-kernel), vt (V^T written by the pre-pass), both (the
 //                     default for checks; timing takes one, default "vt")
-// Hang bisection (the kernel hung on the H200 in session 2): every launch is
-// bracketed by flushed "[fp8_check] ..." lines and waited for with a host
-// watchdog (polls the stream; exits with status 3 and "HANG in <stage>").
+// Hang bisection: every launch is bracketed by flushed "[fp8_check] ..." lines
+// and waited for with a host watchdog (polls the stream; exits with status 3
+// and "HANG in <stage>"), so a hung kernel names its stage.
 //   --case N          only case N of the table below (per head dim)
 //   --stage prepass   stop after the pre-pass (and its check)
 //   --stage kernel    run the kernel too (default)
@@ -318,10 +318,9 @@ int time_shape(int b, int t, int n, int d, bool causal, int iters) {
   Case c{b, t, t, n, n, causal, false};
   Buffers m = alloc(c, d);
   const size_t nq = size_t(b) * t * n * d;
-  // Random Q/K/V and signs, as the JAX benchmarks use. The constant fill
-  // used before (the pre-pass then made Q and K one-hot rows) timed the
-  // kernel 2-3% faster (b2 t8192: d128 836 vs 815-818 TFLOP/s, d256 1098 vs
-  // 1070-1074).
+  // Random Q/K/V and signs, as the JAX benchmarks use: a constant fill makes
+  // the pre-pass produce one-hot Q and K rows, which time the kernel faster
+  // than real inputs.
   NormalRng rng(7);
   check_util::fill_device_normal({m.q, m.k, m.v}, nq, rng, true);
   std::vector<float> signs(d);

@@ -2,7 +2,8 @@
 // problems WITHOUT XLA and compares against a float64 host reference. It exists
 // for compute-sanitizer (memcheck/racecheck/synccheck), where an XLA process
 // spends minutes compiling, and as a smoke test that needs only the CUDA driver.
-//   jax_fa3_fwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--variant default]
+//   jax_fa3_fwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--variant default|m192|auto]
+// (m192: d64's 192-row tile; auto: the handler's choice per problem).
 // Exit status 0 iff every case matches, is NaN-free and bit-reproducible.
 //   jax_fa3_fwd_check --time B,T,N,D,CAUSAL [--iters 20]
 // times one shape with CUDA events (no check): a target for `ncu`.

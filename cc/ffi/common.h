@@ -1,0 +1,98 @@
+// Host helpers shared by the FFI handlers (fwd_handler.cc, bwd_handler.cc,
+// fp8_handler.cc): dtype mapping, the shape checks every attention call
+// makes, kernel-table lookup, error values and the device's SM count.
+// Host code only; it sees the plain-data params headers, never CuTe.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+#include "xla/ffi/api/ffi.h"
+
+#include "../fwd/params.h"  // DType
+
+namespace ffi = xla::ffi;
+
+namespace jax_fa3 {
+
+// bfloat16 / float16 -> DType; false for every other element type.
+inline bool to_dtype(ffi::DataType t, DType* out) {
+  if (t == ffi::DataType::BF16) { *out = DType::kBF16; return true; }
+  if (t == ffi::DataType::F16) { *out = DType::kFP16; return true; }
+  return false;
+}
+
+// `who` names the custom call ("jax_fa3_fwd"), so a Python traceback says
+// which kernel refused the call.
+inline ffi::Error invalid(const char* who, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(who) + ": " + what);
+}
+
+inline ffi::Error launch_status(const char* who, cudaError_t err) {
+  if (err == cudaSuccess) { return ffi::Error::Success(); }
+  return ffi::Error::Internal(std::string(who) + ": launch failed: " + cudaGetErrorString(err));
+}
+
+inline bool all_rank4(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v) {
+  return q.dimensions().size() == 4 && k.dimensions().size() == 4 && v.dimensions().size() == 4;
+}
+
+// q_lens / kv_lens hold one length per batch entry.
+inline bool lens_match(const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ffi::S32>& kv_lens, int b) {
+  return q_lens.element_count() == size_t(b) && kv_lens.element_count() == size_t(b);
+}
+
+// b, t, n, d from q [B, T, N, H] and s, kh from k [B, S, K, H]; FwdParams and
+// BwdParams name them alike. Callers check rank 4 first.
+template <class Params>
+void set_dims(Params& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  p.b = int(qd[0]); p.t = int(qd[1]); p.n = int(qd[2]); p.d = int(qd[3]);
+  p.s = int(kd[1]); p.kh = int(kd[2]);
+}
+
+// k agrees with q on batch and head dim, and its K heads divide q's N (GQA).
+template <class Params>
+bool k_matches_q(const Params& p, const ffi::AnyBuffer& k) {
+  auto kd = k.dimensions();
+  return kd[0] == p.b && kd[3] == p.d && p.kh != 0 && p.n % p.kh == 0;
+}
+
+// A window side at least as long as the sequence constrains nothing: it
+// becomes -1 (unbounded), so index arithmetic in the kernels cannot overflow.
+inline int clamp_window(int32_t side, int len) { return (side < 0 || side >= len) ? -1 : side; }
+
+// The first row of a generated kernel table (CMakeLists.txt) that `match`
+// accepts, or nullptr when that kernel was not compiled.
+template <class Entry, class Match>
+const Entry* find_entry(const Entry* table, int count, Match match) {
+  for (int i = 0; i < count; ++i) {
+    if (match(table[i])) { return &table[i]; }
+  }
+  return nullptr;
+}
+
+// Multiprocessor count of the current device, cached per device (a process
+// may drive several GPUs of different kinds).
+inline int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= kMaxDevices) { dev = 0; }
+  int n = counts[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    counts[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+}  // namespace jax_fa3
+
+// The C entry points (handler pointers, table listings, XLA-free launches)
+// that the Python binding and cc/tools resolve by name.
+#define JAX_FA3_EXPORT extern "C" __attribute__((visibility("default")))
