@@ -735,7 +735,7 @@ def main(argv=None) -> int:
   env = environment(with_jax=True)
   # The timing regime goes with every table: on an H200 the runs' length
   # decides whether they see the boost clock or the 700 W cap (RESULTS.md,
-  # session 11), which moves the backward's ratio to cuDNN by up to 5%.
+  # Method), which moves the backward's ratio to cuDNN by up to 5%.
   header = (header_line(env) + f" | dtype={args.dtype_name} | min_run_ms={args.min_run_ms:g}"
             f" | repeats={args.repeats} | bwd_timing={args.bwd_timing}")
   print(header, flush=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FP8 forward speed (issue 5), same process and inputs for every row.
+"""FP8 forward speed, same process and inputs for every row.
 
 Rows per shape: ``fp8-kernel`` (the FP8 forward that ``precision="fp8"``
 runs, on pre-quantized e4m3 inputs + scales with V^T from the pre-pass: the

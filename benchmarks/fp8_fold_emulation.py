@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """NumPy emulation of the FP8 kernel's block loop on fp8_accuracy.py's input (b),
 to compare ways of handling V's block scales before touching the kernel
-(RESULTS.md, session 8). Per (batch, head, 128-row tile) the 128-key blocks run
+(RESULTS.md, "Tried and lost": the V-scale fold). Per (batch, head, 128-row tile) the 128-key blocks run
 high to low as in cc/fp8/mainloop.h: e4m3 operands, FP32 scores in log2 units,
 P = 2^8 exp2(s - max) cast to e4m3, FP32 row sums. Methods:
 
-  rescale  the kernel at 88c7504: O *= correction * vs_prev / vs_j per block
+  rescale  the kernel before the fold: O *= correction * vs_prev / vs_j per block
   fold     P_j scaled by vs_j / (largest vs of the tile) before its cast, so O
            needs no per-block rescale for V
   fold+lazy  also: a warp (16 rows) moves its max only when a block max exceeds
