@@ -24,8 +24,8 @@ int main() {
         p.window_left = -1;
         p.window_right = mode == 0 ? -1 : 0;  // non-causal / causal
         p.deterministic = mode == 2;
-        p.chunk = chunk;  // 0: the default width (chunk_for)
         BwdTileOrder order = BwdTileOrder::make(p, 128);
+        if (chunk > 0 && order.order == BwdTileOrder::kLongestFirst) { order.chunk = chunk; }  // 0: chunk_for's width
         const int max_slots = 100;
         if (!p.deterministic) { order.plan_split(sms, (s + 63) / 64, max_slots); }
         std::vector<int> seen(size_t(order.num_n) * order.num_hb, 0);

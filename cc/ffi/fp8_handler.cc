@@ -43,7 +43,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (signs.element_count() != size_t(p.d)) { return invalid(kWho, "signs must have shape [head_dim]"); }
   const bool per_tensor = fixed_scales.element_count() == 3;
   if (!per_tensor && fixed_scales.element_count() != 0) { return invalid(kWho, "fixed scales: shape [0] or [3]"); }
-  if (v_transposed != 0 && block_kv != fp8_block_n(p.d)) {
+  if (v_transposed != 0 && block_kv != kFp8BlockN) {
     return invalid(kWho, "V^T output needs block_kv = the kernel's key block");
   }
   const ffi::AnyBuffer* ins[3] = {&q, &k, &v};
@@ -54,7 +54,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     // e4m3 of the input's shape; V^T [B, K, H, fp8_vt_seq(S)] (params.h) when v_transposed.
     const bool vt = i == 2 && v_transposed != 0;
     const bool out_ok = out.size() == 4 &&
-        (vt ? out[0] == dims[0] && out[1] == dims[2] && out[2] == dims[3] && out[3] == fp8_vt_seq(dims[1], p.d)
+        (vt ? out[0] == dims[0] && out[1] == dims[2] && out[2] == dims[3] && out[3] == fp8_vt_seq(dims[1])
             : out[0] == dims[0] && out[1] == dims[1] && out[2] == dims[2] && out[3] == dims[3]);
     if (!out_ok) { return invalid(kWho, "e4m3 output has the wrong shape"); }
     QuantTensor& t = p.t[i];
@@ -107,11 +107,11 @@ ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   // V: [B, S, K, H], or V^T [B, K, H, fp8_vt_seq(S)] (params.h).
   auto vd = v.dimensions();
   const bool v_ok = fp.v_transposed
-      ? vd[0] == p.b && vd[1] == p.kh && vd[2] == p.d && vd[3] == fp8_vt_seq(p.s, p.d)
+      ? vd[0] == p.b && vd[1] == p.kh && vd[2] == p.d && vd[3] == fp8_vt_seq(p.s)
       : vd[0] == p.b && vd[1] == p.s && vd[2] == p.kh && vd[3] == p.d;
   if (!k_matches_q(p, k) || !v_ok) { return invalid(kWho, "inconsistent q/k/v shapes"); }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
-  const int64_t block_n = fp8_block_n(p.d);
+  const int64_t block_n = kFp8BlockN;
   if (q_scale.element_count() != size_t(int64_t(p.b) * p.n * ceil_div(p.t, kFp8BlockM)) ||
       k_scale.element_count() != size_t(int64_t(p.b) * p.kh * ceil_div(p.s, block_n)) ||
       v_scale.element_count() != k_scale.element_count()) {

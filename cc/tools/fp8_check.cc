@@ -101,7 +101,7 @@ jax_fa3::QuantParams quant_params(const Case& c, int d, Buffers& m) {
   for (int i = 0; i < 3; ++i) {
     qp.t[i].x = ins[i]; qp.t[i].out = outs[i]; qp.t[i].scales = sc[i];
     qp.t[i].seq = i == 0 ? c.t : c.s; qp.t[i].heads = i == 0 ? c.n : c.kh;
-    qp.t[i].block_rows = i == 0 ? jax_fa3::kFp8BlockM : jax_fa3::fp8_block_n(d);
+    qp.t[i].block_rows = i == 0 ? jax_fa3::kFp8BlockM : jax_fa3::kFp8BlockN;
     qp.t[i].hadamard = i < 2;
     qp.t[i].pow2 = i == 2;  // as the FFI handler: V's scales are powers of two
     qp.t[i].transpose = i == 2 && g_vt;
@@ -113,9 +113,9 @@ Buffers alloc(const Case& c, int d) {
   Buffers m;
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
   const size_t sq = size_t(c.b) * c.n * cdiv(c.t, jax_fa3::kFp8BlockM);
-  const size_t sk = size_t(c.b) * c.kh * cdiv(c.s, jax_fa3::fp8_block_n(d));
+  const size_t sk = size_t(c.b) * c.kh * cdiv(c.s, jax_fa3::kFp8BlockN);
   CHECK_CUDA(cudaMalloc(&m.q, nq * 2)); CHECK_CUDA(cudaMalloc(&m.k, nk * 2)); CHECK_CUDA(cudaMalloc(&m.v, nk * 2));
-  const size_t nvt = size_t(c.b) * c.kh * d * jax_fa3::fp8_vt_seq(c.s, d);  // >= nk
+  const size_t nvt = size_t(c.b) * c.kh * d * jax_fa3::fp8_vt_seq(c.s);  // >= nk
   CHECK_CUDA(cudaMalloc(&m.q8, nq)); CHECK_CUDA(cudaMalloc(&m.k8, nk)); CHECK_CUDA(cudaMalloc(&m.v8, nvt));
   CHECK_CUDA(cudaMalloc(&m.o, nq * 2));
   CHECK_CUDA(cudaMalloc((void**)&m.qs, sq * 4)); CHECK_CUDA(cudaMalloc((void**)&m.ks, sk * 4));
@@ -192,7 +192,7 @@ bool run_case(const Case& c, int d, uint32_t seed) {
     std::vector<float> sc(size_t(c.b) * t.heads * nb);
     size_t bad_pad = 0;
     if (t.transpose) {  // V^T [b, heads, d, s_pad], keys permuted per 32-slice: back to [b, s, heads, d]
-      const int64_t s_pad = jax_fa3::fp8_vt_seq(t.seq, d);
+      const int64_t s_pad = jax_fa3::fp8_vt_seq(t.seq);
       std::vector<uint8_t> vt(size_t(c.b) * t.heads * d * s_pad);
       CHECK_CUDA(cudaMemcpy(vt.data(), t.out, vt.size(), cudaMemcpyDeviceToHost));
       for (int b = 0; b < c.b; ++b) for (int h = 0; h < t.heads; ++h) for (int e = 0; e < d; ++e)
