@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["attention_fwd", "attention_bwd"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_bwd_with_dbias",
+           "reference_attention", "varying_like"]
 
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -72,7 +73,7 @@ def _vma(x):
   return frozenset(v or ())
 
 
-def _varying_like(tree, *refs):
+def varying_like(tree, *refs):
   """Types ``tree`` as varying over the manual mesh axes of ``refs``.
 
   Inside ``shard_map`` (``check_vma=True``) a scan carry must have the same
@@ -202,7 +203,7 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   init = (jnp.full((B, K, G, T), -jnp.inf, _F32),
           jnp.zeros((B, K, G, T), _F32),
           jnp.zeros((B, T, K, G, H), _F32))
-  init = _varying_like(init, q, k, v, q_lens, kv_lens, bias, mask)
+  init = varying_like(init, q, k, v, q_lens, kv_lens, bias, mask)
   (m, l, acc), _ = lax.scan(body, init, jnp.arange(st.n_chunks))
   has = l > 0
   l_safe = jnp.where(has, l, 1.0)
@@ -262,7 +263,7 @@ def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
 
   db0 = (jnp.zeros(bshape[:4] + (1,), _F32)
          if bshape is not None and not bias_full_s else jnp.zeros((), _F32))
-  init = _varying_like((jnp.zeros((B, T, K, G, H), _F32), db0), q, k, v,
+  init = varying_like((jnp.zeros((B, T, K, G, H), _F32), db0), q, k, v,
                        out, lse, dout, q_lens, kv_lens, bias, mask)
   (dq, db_acc), (dk, dv, db_chunks) = lax.scan(body, init,
                                                jnp.arange(st.n_chunks))

@@ -169,7 +169,7 @@ def _run_case(step, fn, refs):
   same manual axes (shard_map's check_vma: cond branches and loop-carried
   accumulators must agree)."""
   tag, arg = step
-  typed = lambda kind: reference._varying_like(fn(kind), *refs)
+  typed = lambda kind: reference.varying_like(fn(kind), *refs)
   if tag != "cond":
     return typed(tag)
   pred, a, b = arg
@@ -186,13 +186,13 @@ def _merge(o, l, o_s, l_s):
   return o * wa + o_s.astype(_F32) * wb, l_new
 
 
-def _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
+def ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
               attrs, fns):
   fwd = fns[0]
   plan = _Plan(axis_name, n_dev, layout, causal, q.shape[1], k.shape[1])
   B, T, N, H = q.shape
   refs = (q, k, v, q_lens, kv_lens, plan.idx)
-  o, l = reference._varying_like(
+  o, l = reference.varying_like(
       (jnp.zeros(q.shape, _F32), jnp.full((B, N, T), -jnp.inf, _F32)), *refs)
   kc, vc = k, v
   for s in range(n_dev):
@@ -235,13 +235,13 @@ def _bwd_case(kind, plan, bwd, q, k, v, out, lse, dout, q_lens, kv_lens, j,
   return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
 
-def _ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
+def ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
               layout, causal, attrs, fns):
   bwd = fns[1]
   plan = _Plan(axis_name, n_dev, layout, causal, q.shape[1], k.shape[1])
   dout = dout.astype(out.dtype)
   refs = (q, k, v, out, lse, dout, q_lens, kv_lens, plan.idx)
-  dq, dk, dv = reference._varying_like(
+  dq, dk, dv = reference.varying_like(
       (jnp.zeros(q.shape, _F32), jnp.zeros(k.shape, _F32),
        jnp.zeros(v.shape, _F32)), *refs)
   kc, vc = k, v
@@ -266,7 +266,7 @@ def _ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _ring(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal, attrs,
           impl):
-  return _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
+  return ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
                    dict(attrs), _kernel_fns(q.dtype, q.shape[-1], impl))
 
 
@@ -280,7 +280,7 @@ def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
 def _ring_vjp_bwd(axis_name, n_dev, layout, causal, attrs, impl, res, cts):
   q, k, v, out, lse, q_lens, kv_lens = res
   dout, _ = cts
-  dq, dk, dv = _ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name,
+  dq, dk, dv = ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name,
                          n_dev, layout, causal, dict(attrs),
                          _kernel_fns(q.dtype, q.shape[-1], impl))
   return dq, dk, dv, None, None
