@@ -1,5 +1,5 @@
 """Public API: :func:`attention`, :func:`dot_product_attention`,
-:func:`flax_attention_fn`, :func:`attention_fp8`.
+:func:`flax_attention_fn`, :func:`attention_fp8`, :func:`ring_attention`.
 
 Semantics (all entry points): query row ``i`` of batch ``b`` attends key ``j``
 iff ``i < q_len[b]``, ``j < kv_len[b]``, the (top-left aligned) causal / local
@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _native, _validate as V, core, fp8
+from jax_fa3 import _native, _validate as V, core, fp8, ring
 
 __all__ = ["attention", "dot_product_attention", "flax_attention_fn",
-           "attention_fp8"]
+           "attention_fp8", "ring_attention"]
 
 _OWN_IMPLS = (None, "fa3", "reference")
+_BLOCK_K = core.BLOCK_K  # the reference's key block
 
 
 def _fold_window(window, is_causal):
@@ -68,7 +69,8 @@ def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
   has_bm = bias is not None or mask is not None
   cfg = core.Config(scale=scale, softcap=softcap, window_left=wl,
                     window_right=wr, deterministic=deterministic,
-                    kernel=_use_kernel(q, implementation, has_bm))
+                    kernel=_use_kernel(q, implementation, has_bm),
+                    block_k=_BLOCK_K)
   return core.attention(q, k, v, bias, mask, q_lens, kv_lens, cfg)
 
 
@@ -95,7 +97,8 @@ def _fp8_config(q, softcap, implementation, wl, wr, scale, deterministic,
       kernel_error=blocker16 if implementation == "fa3" else None,
       fp8=core.FP8Config(block_scales, hadamard, seed,
                          kernel=implementation != "reference"
-                         and blocker is None))
+                         and blocker is None),
+      block_k=_BLOCK_K)
 
 
 def attention(query, key, value, *, scale=None, is_causal=False,
@@ -315,3 +318,64 @@ def flax_attention_fn(query, key, value, bias=None, mask=None,
                  kv_lens=None, scale=1.0 / float(np.sqrt(H)), softcap=0.0,
                  wl=wl, wr=wr, implementation=None)
   return out.reshape(q.shape)
+
+
+def ring_attention(query, key, value, *, axis_name, is_causal=False,
+                   layout="contiguous", scale=None, softcap=None,
+                   query_seq_lengths=None, key_value_seq_lengths=None,
+                   implementation=None, return_lse=False):
+  """Ring attention for use inside ``shard_map`` (sequence split over ``axis_name``).
+
+  Args:
+    query: local shard ``[B, T/P, N, H]``; key, value: ``[B, S/P, K, H]``
+      (GQA as in :func:`jax_fa3.attention`).  All devices on the ring must
+      hold equal-length shards.
+    axis_name: the mesh axis (or tuple of axes) the sequence is split over.
+    is_causal: top-left causal over the GLOBAL positions (needs T == S).
+    layout: ``"contiguous"`` (device r holds the r-th slice) or ``"zigzag"``
+      (device r holds chunks r and 2P-1-r; build it with :func:`to_zigzag`).
+      Zigzag balances causal work; for non-causal both are equally fast.
+    scale, softcap: as in :func:`jax_fa3.attention`.
+    query_seq_lengths, key_value_seq_lengths: optional GLOBAL ``int32[B]``
+      lengths (identical on every device of the ring).
+    implementation: None (kernel when supported, else the reference), "fa3"
+      or "reference".
+    return_lse: also return the global log-sum-exp ``f32 [B, N, T/P]``
+      (``+inf`` for rows that see no key; not differentiable).
+
+  Local windows are not supported (ValueError).
+  """
+  q, k, v = V.check_qkv(query, key, value)
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  if layout not in ring.LAYOUTS:
+    raise ValueError(f"layout must be one of {ring.LAYOUTS}, got {layout!r}")
+  is_causal = V.check_is_causal(is_causal)
+  if is_causal and T != S:
+    raise ValueError("causal ring attention needs equal query and key/value "
+                     f"shard lengths, got {T} and {S}")
+  V.check_implementation(implementation, (None, "fa3", "reference"))
+  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
+  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
+                                "key_value_seq_lengths", B)
+  try:
+    n_dev = ring.axis_size(axis_name)
+  except (NameError, KeyError, ValueError) as e:
+    raise ValueError(f"ring_attention must run inside shard_map/pmap with "
+                     f"axis {axis_name!r} bound: {e}") from e
+  if layout == "zigzag" and (T % 2 or S % 2):
+    raise ValueError("zigzag layout needs even local sequence lengths, got "
+                     f"{T} (q) and {S} (kv)")
+  T_glob, S_glob = T * n_dev, S * n_dev
+  q_lens = (jnp.full((B,), T_glob, jnp.int32) if q_lens is None
+            else jnp.minimum(q_lens, T_glob))
+  kv_lens = (jnp.full((B,), S_glob, jnp.int32) if kv_lens is None
+             else jnp.minimum(kv_lens, S_glob))
+  cfg = core.Config(
+      scale=V.check_scale(scale, H), softcap=V.check_softcap(softcap),
+      window_left=-1, window_right=-1,
+      kernel=_use_kernel(q, implementation, False),
+      ring=core.RingConfig(axis_name, n_dev, layout, is_causal),
+      block_k=_BLOCK_K)
+  out, lse = core.attention(q, k, v, None, None, q_lens, kv_lens, cfg)
+  return (out, lse) if return_lse else out

@@ -2,7 +2,8 @@
 
 :class:`Config` (static, hashable) says what runs: the 16-bit kernels
 (partitioned calls of :mod:`jax_fa3.sharding`) or the blockwise reference
-(the only path for ``bias`` / ``mask``), and optionally FP8 for the forward.
+(the only path for ``bias`` / ``mask``); optionally FP8 for the forward, or
+a ring over a ``shard_map`` axis (:mod:`jax_fa3.ring`).
 The backward is always the 16-bit one: for FP8 it is straight-through,
 evaluated at the unquantized inputs (the 16-bit forward is recomputed there
 for its ``out`` / ``lse``).
@@ -15,12 +16,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_fa3 import fp8, reference, sharding
+from jax_fa3 import fp8, primitives, reference, ring, sharding
 
-__all__ = ["Config", "FP8Config", "attention"]
+__all__ = ["Config", "FP8Config", "RingConfig", "attention", "BLOCK_K"]
 
 BLOCK_K = 512  # key block of the reference's online softmax
-
 
 @dataclasses.dataclass(frozen=True)
 class FP8Config:
@@ -28,6 +28,16 @@ class FP8Config:
   hadamard: bool
   seed: int
   kernel: bool  # the FP8 kernels (else the emulation)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+  """Ring attention inside ``shard_map``: the sequence is split over
+  ``axis_name`` (``n_dev`` devices) in ``layout``."""
+  axis_name: object
+  n_dev: int
+  layout: str
+  causal: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +52,8 @@ class Config:
   # is needed (FP8 needs it only for the gradient).
   kernel_error: str | None = None
   fp8: FP8Config | None = None
+  ring: RingConfig | None = None
+  block_k: int = BLOCK_K
 
   @property
   def attrs(self):
@@ -63,17 +75,33 @@ def attention(q, k, v, bias, mask, q_lens, kv_lens, cfg: Config):
   return _attention(q, k, v, bias, mask, q_lens, kv_lens, cfg)
 
 
+def _local_fns(cfg):
+  """The (fwd, bwd) each ring step calls."""
+  if cfg.kernel:
+    return (primitives.fa3_fwd, partial(primitives.fa3_bwd,
+                                        deterministic=cfg.deterministic))
+  return reference.attention_fwd, reference.attention_bwd
+
+
+def _ring_args(cfg):
+  r = cfg.ring
+  return (r.axis_name, r.n_dev, r.layout, r.causal,
+          dict(scale=cfg.scale, softcap=cfg.softcap), _local_fns(cfg))
+
+
 def _forward16(q, k, v, bias, mask, q_lens, kv_lens, cfg):
   if cfg.kernel_error is not None:
     raise ValueError(f"implementation='fa3' is not possible: "
                      f"{cfg.kernel_error}")
+  if cfg.ring is not None:
+    return ring.ring_fwd(q, k, v, q_lens, kv_lens, *_ring_args(cfg))
   if cfg.kernel:
     # The primitives' abstract eval drops shard_map's varying-axes type;
     # restore it so check_vma=True accepts results and cotangent types.
     return reference.varying_like(sharding.fa3_fwd(
         q, k, v, q_lens, kv_lens, **cfg.attrs), q, k, v, q_lens, kv_lens)
   return reference.attention_fwd(q, k, v, q_lens, kv_lens, bias=bias,
-                                 mask=mask, block_k=BLOCK_K, **cfg.attrs)
+                                 mask=mask, block_k=cfg.block_k, **cfg.attrs)
 
 
 def _forward_fp8(q, k, v, q_lens, kv_lens, cfg):
@@ -106,7 +134,11 @@ def _vjp_bwd(cfg, res, cts):
   dout, _ = cts
   if cfg.fp8 is not None:
     out, lse = _forward16(q, k, v, bias, mask, q_lens, kv_lens, cfg)
-  if cfg.kernel:
+  if cfg.ring is not None:
+    dq, dk, dv = ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
+                               *_ring_args(cfg))
+    dbias = None
+  elif cfg.kernel:
     grads = sharding.fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype),
                              q_lens, kv_lens, deterministic=cfg.deterministic,
                              **cfg.attrs)
@@ -116,7 +148,7 @@ def _vjp_bwd(cfg, res, cts):
   else:
     dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
         q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
-        block_k=BLOCK_K, **cfg.attrs)
+        block_k=cfg.block_k, **cfg.attrs)
   return dq, dk, dv, dbias, None, None, None
 
 
