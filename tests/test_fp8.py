@@ -254,3 +254,29 @@ def test_vt_layout_key_order_and_padding():
     np.testing.assert_array_equal(vt[:, :, :, pos], v8f[:, key])
   keys = (np.arange(384) // 128) * 128 + order[np.arange(384) % 128]
   assert np.all(vt[..., keys >= 300] == 0)
+
+
+@pytest.mark.parametrize("block_scales", [True, False])
+def test_fp8_kernel_path_vmap_equals_loop(monkeypatch, block_scales):
+  """vmap of the FP8 primitives (traced as on an H200; on CPU they lower to
+  the emulation): block scales fold the vmapped axis into the batch, the
+  per-element tensor-wide scales of block_scales=False run one by one."""
+  from jax_fa3 import _native
+  cfg = frozenset({("bfloat16", 64)})
+  monkeypatch.setattr(_native, "_jax_fa3", _native._jax_fa3 or object())
+  for name in ("_CONFIGS", "_BWD_CONFIGS", "_FP8_CONFIGS"):
+    monkeypatch.setattr(_native, name, cfg)
+  monkeypatch.setattr(_native, "_SM90", True)
+  cpu = jax.devices("cpu")[0]
+  q, k, v = (jax.device_put(jnp.stack([x, 3 * x]), cpu)
+             for x in _inputs(16, T=130, S=150))
+  f = lambda q, k, v: jax_fa3.attention(q, k, v, precision="fp8",
+                                        fp8_block_scales=block_scales)
+  hlo = jax.jit(jax.vmap(f)).trace(q, k, v).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert fp8.FWD_TARGET in hlo and fp8.QUANT_TARGET in hlo
+  got = jax.jit(jax.vmap(f))(q, k, v)
+  for i in range(2):
+    np.testing.assert_array_equal(np.asarray(got[i], np.float32),
+                                  np.asarray(jax.jit(f)(q[i], k[i], v[i]),
+                                             np.float32))
