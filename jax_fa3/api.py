@@ -71,7 +71,7 @@ def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
                     window_right=wr, deterministic=deterministic,
                     kernel=_use_kernel(q, implementation, has_bm),
                     block_k=_BLOCK_K)
-  return core.attention(q, k, v, bias, mask, q_lens, kv_lens, cfg)
+  return core.attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
 
 
 def _fp8_config(q, softcap, implementation, wl, wr, scale, deterministic,
@@ -149,7 +149,7 @@ def attention(query, key, value, *, scale=None, is_causal=False,
     opts = fp8.check_fp8_options(fp8_block_scales, fp8_hadamard, fp8_seed)
     cfg = _fp8_config(q, softcap, implementation, wl, wr, scale,
                       deterministic, opts)
-    return core.attention(q, k, v, None, None, q_lens, kv_lens, cfg)[0]
+    return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)[0]
   out, _ = _core(q, k, v, bias=None, mask=None, q_lens=q_lens,
                  kv_lens=kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
                  implementation=implementation, deterministic=deterministic)
@@ -377,5 +377,5 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
       kernel=_use_kernel(q, implementation, False),
       ring=core.RingConfig(axis_name, n_dev, layout, is_causal),
       block_k=_BLOCK_K)
-  out, lse = core.attention(q, k, v, None, None, q_lens, kv_lens, cfg)
+  out, lse = core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)
   return (out, lse) if return_lse else out

@@ -61,7 +61,7 @@ class Config:
                 window_left=self.window_left, window_right=self.window_right)
 
 
-def attention(q, k, v, bias, mask, q_lens, kv_lens, cfg: Config):
+def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config):
   """Validated 4-D inputs -> ``(out [B,T,N,H], lse f32 [B,N,T])``.
 
   ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
@@ -72,7 +72,7 @@ def attention(q, k, v, bias, mask, q_lens, kv_lens, cfg: Config):
     q_lens = jnp.full((B,), T, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((B,), S, jnp.int32)
-  return _attention(q, k, v, bias, mask, q_lens, kv_lens, cfg)
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
 
 
 def _local_fns(cfg):
@@ -89,7 +89,7 @@ def _ring_args(cfg):
           dict(scale=cfg.scale, softcap=cfg.softcap), _local_fns(cfg))
 
 
-def _forward16(q, k, v, bias, mask, q_lens, kv_lens, cfg):
+def _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg):
   if cfg.kernel_error is not None:
     raise ValueError(f"implementation='fa3' is not possible: "
                      f"{cfg.kernel_error}")
@@ -117,23 +117,23 @@ def _forward_fp8(q, k, v, q_lens, kv_lens, cfg):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(q, k, v, bias, mask, q_lens, kv_lens, cfg):
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg):
   if cfg.fp8 is not None:
     return _forward_fp8(q, k, v, q_lens, kv_lens, cfg)
-  return _forward16(q, k, v, bias, mask, q_lens, kv_lens, cfg)
+  return _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg)
 
 
-def _vjp_fwd(q, k, v, bias, mask, q_lens, kv_lens, cfg):
-  out, lse = _attention(q, k, v, bias, mask, q_lens, kv_lens, cfg)
+def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, cfg):
+  out, lse = _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
   saved = (None, None) if cfg.fp8 is not None else (out, lse)
-  return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens) + saved
+  return (out, lse), (q, k, v, q_lens, kv_lens, bias, mask) + saved
 
 
 def _vjp_bwd(cfg, res, cts):
-  q, k, v, bias, mask, q_lens, kv_lens, out, lse = res
+  q, k, v, q_lens, kv_lens, bias, mask, out, lse = res
   dout, _ = cts
   if cfg.fp8 is not None:
-    out, lse = _forward16(q, k, v, bias, mask, q_lens, kv_lens, cfg)
+    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg)
   if cfg.ring is not None:
     dq, dk, dv = ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                                *_ring_args(cfg))
@@ -149,7 +149,7 @@ def _vjp_bwd(cfg, res, cts):
     dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
         q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
         block_k=cfg.block_k, **cfg.attrs)
-  return dq, dk, dv, dbias, None, None, None
+  return dq, dk, dv, None, None, dbias, None
 
 
 _attention.defvjp(_vjp_fwd, _vjp_bwd)

@@ -24,7 +24,7 @@ def _cuda_grad_module(dtype, hd, T=100, deterministic=False):
 
   def loss(q, k, v):
     cfg = core.Config(0.125, 0.0, -1, 0, deterministic, kernel=True)
-    out, _ = core.attention(q, k, v, None, None, lens, kl, cfg)
+    out, _ = core.attention(q, k, v, lens, kl, None, None, cfg)
     return out.astype(jnp.float32).sum()
   g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   return jax.export.export(g, platforms=["cuda"], disabled_checks=_CHECKS)(

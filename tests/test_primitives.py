@@ -20,7 +20,7 @@ def _lens(b=B, t=T, s=S):
 
 def _attn(q, k, v, ql, kl, **over):
   cfg = core.Config(**dict(ATTRS, **over), kernel=True)
-  return core.attention(q, k, v, None, None, ql, kl, cfg)
+  return core.attention(q, k, v, ql, kl, None, None, cfg)
 
 
 def test_abstract_eval_shapes():

@@ -30,7 +30,7 @@ def _kernel_attention(q, k, v, q_lens, kv_lens, scale, softcap, wl, wr):
   """The kernel path of the core (on CPU its primitives lower to the
   reference), partitioned under a sharded jit."""
   cfg = core.Config(scale, softcap, wl, wr, kernel=True)
-  return core.attention(q, k, v, None, None, q_lens, kv_lens, cfg)
+  return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)
 
 
 def _mesh(shape, names):
