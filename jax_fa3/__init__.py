@@ -1,8 +1,9 @@
 """jax_fa3: FlashAttention-3 (CUTLASS sm_90a kernels) for JAX via XLA FFI."""
 from jax_fa3 import _native
-from jax_fa3.api import attention, dot_product_attention, flax_attention_fn
-from jax_fa3.ring import ring_attention, to_zigzag, from_zigzag
-from jax_fa3.fp8 import attention_fp8, quantize_fp8
+from jax_fa3.api import (attention, attention_fp8, dot_product_attention,
+                         flax_attention_fn, ring_attention)
+from jax_fa3.fp8 import quantize_fp8
+from jax_fa3.ring import from_zigzag, to_zigzag
 
 __version__ = "0.1.0"
 __all__ = ["attention", "dot_product_attention", "flax_attention_fn",

@@ -33,8 +33,6 @@ def _load_binding():
     if getattr(e, "name", None) != "jax_fa3._jax_fa3":
       return None, e  # built but not loadable
     err = e
-  if os.environ.get("JAX_FA3_ONLY_LOCAL_BINDING", "") == "1":
-    return None, err  # tests: behave as if no binding were installed anywhere
   here = os.path.dirname(os.path.abspath(__file__))
   for entry in sys.path:
     pkg = os.path.join(os.path.abspath(entry or os.getcwd()), "jax_fa3")
@@ -57,7 +55,7 @@ def _load_binding():
 _jax_fa3, _IMPORT_ERROR = _load_binding()
 
 __all__ = ["available", "compiled_configs", "compiled_bwd_configs",
-           "sm90_gpu_present"]
+           "compiled_fp8_configs", "sm90_gpu_present"]
 
 if _jax_fa3 is None:
   if os.environ.get("JAX_FA3_QUIET", "") != "1":
@@ -71,17 +69,14 @@ if _jax_fa3 is None:
         f"jax_fa3: {_why}; the pure-JAX reference implementation will be "
         "used. Set JAX_FA3_QUIET=1 to silence this warning.",
         UserWarning, stacklevel=2)
-  _CONFIGS: frozenset = frozenset()
-  _BWD_CONFIGS: frozenset = frozenset()
+  _CONFIGS = _BWD_CONFIGS = _FP8_CONFIGS = frozenset()
 else:
   for _name, _capsule in _jax_fa3.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
-  _CONFIGS = frozenset(
-      (str(d), int(h)) for d, h in _jax_fa3.compiled_configs())
-  # A library built before the backward kernel has no compiled_bwd_configs.
-  _BWD_CONFIGS = frozenset(
-      (str(d), int(h))
-      for d, h in getattr(_jax_fa3, "compiled_bwd_configs", lambda: [])())
+  _CONFIGS, _BWD_CONFIGS, _FP8_CONFIGS = (
+      frozenset((str(d), int(h)) for d, h in configs()) for configs in (
+          _jax_fa3.compiled_configs, _jax_fa3.compiled_bwd_configs,
+          _jax_fa3.compiled_fp8_configs))
 
 
 def available() -> bool:
@@ -100,6 +95,11 @@ def compiled_bwd_configs() -> frozenset:
   subset of :func:`compiled_configs`); the others differentiate through the
   reference backward."""
   return _BWD_CONFIGS
+
+
+def compiled_fp8_configs() -> frozenset:
+  """``frozenset`` of ``(output dtype name, head_dim)`` with an FP8 kernel."""
+  return _FP8_CONFIGS
 
 
 _SM90: bool | None = None

@@ -69,12 +69,12 @@ def check_seq_lengths(lens, name, batch):
   return lens
 
 
-def _is_int(x):
+def is_int(x):
   return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(
       x, (bool, np.bool_))
 
 
-def _is_real(x):
+def is_real(x):
   return isinstance(x, (numbers.Real, np.floating, np.integer)) and not \
       isinstance(x, (bool, np.bool_))
 
@@ -84,10 +84,10 @@ def check_window(local_window_size):
   if local_window_size is None:
     return None
   w = local_window_size
-  if _is_int(w) and w >= 0:
+  if is_int(w) and w >= 0:
     return int(w), int(w)
   if (isinstance(w, (tuple, list)) and len(w) == 2
-      and all(_is_int(x) and x >= 0 for x in w)):
+      and all(is_int(x) and x >= 0 for x in w)):
     return int(w[0]), int(w[1])
   raise ValueError("local_window_size must be None, a non-negative int w "
                    "(meaning (w, w)) or a pair (left, right) of non-negative "
@@ -97,7 +97,7 @@ def check_window(local_window_size):
 def check_softcap(softcap):
   if softcap is None:
     return 0.0
-  if not _is_real(softcap) or not math.isfinite(float(softcap)) or \
+  if not is_real(softcap) or not math.isfinite(float(softcap)) or \
       float(softcap) <= 0:
     raise ValueError("softcap must be None or a positive finite number, got "
                      f"{softcap!r}")
@@ -113,7 +113,7 @@ def check_scale(scale, head_dim):
     except jax.errors.ConcretizationTypeError as e:
       raise ValueError("scale must be a static (Python) finite number, got a "
                        "traced value") from e
-  if not _is_real(scale) or not math.isfinite(float(scale)):
+  if not is_real(scale) or not math.isfinite(float(scale)):
     raise ValueError(f"scale must be None or a finite number, got {scale!r}")
   return float(scale)
 

@@ -1,5 +1,5 @@
 """Public API: :func:`attention`, :func:`dot_product_attention`,
-:func:`flax_attention_fn`.
+:func:`flax_attention_fn`, :func:`attention_fp8`, :func:`ring_attention`.
 
 Semantics (all entry points): query row ``i`` of batch ``b`` attends key ``j``
 iff ``i < q_len[b]``, ``j < kv_len[b]``, the (top-left aligned) causal / local
@@ -10,6 +10,9 @@ Difference from ``jax.nn.dot_product_attention``: a query row that is *not*
 padded but sees no key at all (e.g. a window or mask that excludes every key)
 outputs 0 here (its log-sum-exp residual is ``+inf``), whereas jax.nn outputs
 the mean of V.  Padded query rows (``i >= q_len[b]``) output 0 in both.
+
+Every entry point validates its arguments here, then runs
+:func:`jax_fa3.core.attention` (kernels or reference, one ``custom_vjp``).
 """
 from __future__ import annotations
 
@@ -17,14 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _native, _validate as V, reference
-from jax_fa3 import primitives, sharding
-from jax_fa3 import fp8
+from jax_fa3 import _native, _validate as V, core, fp8, ring
 
-__all__ = ["attention", "dot_product_attention", "flax_attention_fn"]
+__all__ = ["attention", "dot_product_attention", "flax_attention_fn",
+           "attention_fp8", "ring_attention"]
 
-_BLOCK_K = 512
 _OWN_IMPLS = (None, "fa3", "reference")
+_BLOCK_K = core.BLOCK_K  # the reference's key block
 
 
 def _fold_window(window, is_causal):
@@ -34,30 +36,69 @@ def _fold_window(window, is_causal):
   return wl, wr
 
 
-def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
-          implementation, deterministic=False):
-  """Validated 4-D inputs -> (out [B,T,N,H], lse f32 [B,N,T])."""
-  B, T, N, H = q.shape
-  S = k.shape[1]
-  blocker = V.kernel_blocker(q.dtype, H, _native)
+def _check_mask_args(query_seq_lengths, key_value_seq_lengths,
+                     local_window_size, is_causal, scale, batch, head_dim):
+  """The arguments every entry point shares -> (q_lens, kv_lens, scale, wl,
+  wr)."""
+  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", batch)
+  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
+                                "key_value_seq_lengths", batch)
+  window = V.check_window(local_window_size)
+  scale = V.check_scale(scale, head_dim)
+  wl, wr = _fold_window(window, V.check_is_causal(is_causal))
+  return q_lens, kv_lens, scale, wl, wr
+
+
+def _use_kernel(q, implementation, has_bias_or_mask):
+  """(16-bit kernel?, why not) for ``implementation``; raises for "fa3"
+  where the kernel cannot run."""
+  blocker = V.kernel_blocker(q.dtype, q.shape[-1], _native)
   if implementation == "fa3":
-    if bias is not None or mask is not None:
+    if has_bias_or_mask:
       raise ValueError("bias/mask are not supported by implementation='fa3'; "
                        "use implementation=None or 'reference'")
     if blocker is not None:
       raise ValueError(f"implementation='fa3' is not possible: {blocker}")
-  use_kernel = (implementation == "fa3" or (
-      implementation is None and blocker is None and bias is None
-      and mask is None))
-  if use_kernel:
-    if q_lens is None:
-      q_lens = jnp.full((B,), T, jnp.int32)
-    if kv_lens is None:
-      kv_lens = jnp.full((B,), S, jnp.int32)
-    return sharding.fa3_attention(q, k, v, q_lens, kv_lens, scale, softcap,
-                                    wl, wr, deterministic)
-  return reference.reference_attention(q, k, v, q_lens, kv_lens, bias, mask,
-                                       scale, softcap, wl, wr, _BLOCK_K)
+  return (implementation == "fa3" or (
+      implementation is None and blocker is None and not has_bias_or_mask))
+
+
+def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
+          implementation, deterministic=False):
+  """Validated 4-D inputs -> (out [B,T,N,H], lse f32 [B,N,T])."""
+  has_bm = bias is not None or mask is not None
+  cfg = core.Config(scale=scale, softcap=softcap, window_left=wl,
+                    window_right=wr, deterministic=deterministic,
+                    kernel=_use_kernel(q, implementation, has_bm),
+                    block_k=_BLOCK_K)
+  return core.attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+
+
+def _fp8_config(q, softcap, implementation, wl, wr, scale, deterministic,
+                opts):
+  """The precision="fp8" configuration (validated 16-bit inputs)."""
+  block_scales, hadamard, seed = opts
+  if softcap:
+    raise ValueError("softcap is not supported with precision='fp8'")
+  if np.dtype(q.dtype) not in V.KERNEL_DTYPES:
+    raise ValueError(f"precision='fp8' needs bfloat16 or float16 inputs, got "
+                     f"{q.dtype}")
+  fp8.check_head_dim(q.shape[-1], hadamard)
+  blocker = fp8.fp8_kernel_blocker(q.dtype, q.shape[-1])
+  if implementation == "fa3" and blocker is not None:
+    raise ValueError(f"implementation='fa3' is not possible: {blocker}")
+  # The 16-bit kernel serves the straight-through gradient; for
+  # implementation="fa3" a missing one is an error only when differentiating.
+  blocker16 = V.kernel_blocker(q.dtype, q.shape[-1], _native)
+  return core.Config(
+      scale=scale, softcap=0.0, window_left=wl, window_right=wr,
+      deterministic=deterministic,
+      kernel=implementation != "reference" and blocker16 is None,
+      kernel_error=blocker16 if implementation == "fa3" else None,
+      fp8=core.FP8Config(block_scales, hadamard, seed,
+                         kernel=implementation != "reference"
+                         and blocker is None),
+      block_k=_BLOCK_K)
 
 
 def attention(query, key, value, *, scale=None, is_causal=False,
@@ -78,17 +119,17 @@ def attention(query, key, value, *, scale=None, is_causal=False,
     softcap: optional positive float ``c``: ``s = c * tanh(s / c)``.
     precision: None, or ``"fp8"``: bf16/fp16 inputs are quantized to e4m3
       inside (see :mod:`jax_fa3.fp8`: the FP8 kernel on an H100/H200, else a
-      pure-JAX emulation; ``JAX_FA3_FP8_KERNEL=0`` forces the emulation); the result has
-      the input dtype; gradients are straight-through (the 16-bit backward at
-      the original inputs).  Options, for ablation: ``fp8_block_scales``
-      (False: one scale per tensor), ``fp8_hadamard`` (random-sign Hadamard
-      rotation of Q and K), ``fp8_seed`` (the signs).
+      pure-JAX emulation); the result has the input dtype; gradients are
+      straight-through (the 16-bit backward at the original inputs).
+      Options, for ablation: ``fp8_block_scales`` (False: one scale per
+      tensor), ``fp8_hadamard`` (random-sign Hadamard rotation of Q and K),
+      ``fp8_seed`` (the signs).
     implementation: None (kernel when supported, otherwise the reference),
-      ``"fa3"`` (kernel or ValueError) or ``"reference"``.
+      ``"fa3"`` (kernel or ValueError) or ``"reference"`` (pure JAX; with
+      ``precision="fp8"`` the emulation).
     deterministic: if True, the backward kernel sums dQ over key blocks in a
       fixed order, so gradients are bit-identical run to run (slower: key
-      blocks wait for their turn per query block; about 0.67-0.78x the
-      backward's speed at d128 on an H200).  The forward is always
+      blocks wait for their turn per query block).  The forward is always
       deterministic, and so is the reference backward.
 
   Returns:
@@ -97,31 +138,50 @@ def attention(query, key, value, *, scale=None, is_causal=False,
   """
   q, k, v = V.check_qkv(query, key, value)
   B, T, N, H = q.shape
-  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
-  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
-                                "key_value_seq_lengths", B)
-  window = V.check_window(local_window_size)
+  q_lens, kv_lens, scale, wl, wr = _check_mask_args(
+      query_seq_lengths, key_value_seq_lengths, local_window_size, is_causal,
+      scale, B, H)
   softcap = V.check_softcap(softcap)
-  scale = V.check_scale(scale, H)
-  is_causal = V.check_is_causal(is_causal)
   deterministic = V.check_deterministic(deterministic)
   V.check_precision(precision)
   V.check_implementation(implementation, _OWN_IMPLS)
-  wl, wr = _fold_window(window, is_causal)
   if precision == "fp8":
     opts = fp8.check_fp8_options(fp8_block_scales, fp8_hadamard, fp8_seed)
-    def bf16_core(q, k, v):
-      return _core(q, k, v, bias=None, mask=None, q_lens=q_lens,
-                   kv_lens=kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
-                   implementation=implementation,
-                   deterministic=deterministic)[0]
-    return fp8.fp8_attention(
-        q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
-        block_scales=opts[0], hadamard=opts[1], seed=opts[2],
-        implementation=implementation, bf16_core=bf16_core)
+    cfg = _fp8_config(q, softcap, implementation, wl, wr, scale,
+                      deterministic, opts)
+    return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)[0]
   out, _ = _core(q, k, v, bias=None, mask=None, q_lens=q_lens,
                  kv_lens=kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
                  implementation=implementation, deterministic=deterministic)
+  return out
+
+
+def attention_fp8(query, key, value, q_scale, k_scale, v_scale, *,
+                  scale=None, is_causal=False, local_window_size=None,
+                  query_seq_lengths=None, key_value_seq_lengths=None,
+                  out_dtype=jnp.bfloat16, implementation=None):
+  """Attention on already quantized e4m3 inputs (e.g. an FP8 KV cache).
+
+  ``query [B, T, N, H]``, ``key/value [B, S, K, H]`` float8_e4m3fn; scales
+  in the layout of :mod:`jax_fa3.fp8` (:func:`jax_fa3.quantize_fp8` makes
+  them).  If Q and K were rotated, they must share the signs (``QK^T`` is
+  then unchanged).  Returns ``out_dtype`` (bfloat16 or float16).
+  ``implementation``: None (the FP8 kernel where it can run, else the
+  emulation), ``"fa3"`` (kernel or ValueError) or ``"reference"`` (the
+  emulation).  Not differentiable.
+  """
+  q8, k8, v8, qs, ks, vs = fp8.check_fp8_operands(query, key, value, q_scale,
+                                                  k_scale, v_scale)
+  b, t, n, h = q8.shape
+  out_dtype = np.dtype(out_dtype)
+  if out_dtype not in V.KERNEL_DTYPES:
+    raise ValueError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
+  q_lens, kv_lens, scale, wl, wr = _check_mask_args(
+      query_seq_lengths, key_value_seq_lengths, local_window_size, is_causal,
+      scale, b, h)
+  V.check_implementation(implementation, _OWN_IMPLS)
+  out, _ = fp8.attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens,
+                                   scale, wl, wr, out_dtype, implementation)
   return out
 
 
@@ -162,13 +222,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   S, K = k.shape[1], k.shape[2]
   bias4 = V.check_bias_mask(bias, "bias", B, N, T, S, K)
   mask4 = V.check_bias_mask(mask, "mask", B, N, T, S, K)
-  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
-  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
-                                "key_value_seq_lengths", B)
-  window = V.check_window(local_window_size)
-  scale = V.check_scale(scale, H)
-  is_causal = V.check_is_causal(is_causal)
-  wl, wr = _fold_window(window, is_causal)
+  q_lens, kv_lens, scale, wl, wr = _check_mask_args(
+      query_seq_lengths, key_value_seq_lengths, local_window_size, is_causal,
+      scale, B, H)
   out, lse = _core(q, k, v, bias=bias4, mask=mask4, q_lens=q_lens,
                    kv_lens=kv_lens, scale=scale, softcap=0.0, wl=wl, wr=wr,
                    implementation=implementation)
@@ -262,3 +318,64 @@ def flax_attention_fn(query, key, value, bias=None, mask=None,
                  kv_lens=None, scale=1.0 / float(np.sqrt(H)), softcap=0.0,
                  wl=wl, wr=wr, implementation=None)
   return out.reshape(q.shape)
+
+
+def ring_attention(query, key, value, *, axis_name, is_causal=False,
+                   layout="contiguous", scale=None, softcap=None,
+                   query_seq_lengths=None, key_value_seq_lengths=None,
+                   implementation=None, return_lse=False):
+  """Ring attention for use inside ``shard_map`` (sequence split over ``axis_name``).
+
+  Args:
+    query: local shard ``[B, T/P, N, H]``; key, value: ``[B, S/P, K, H]``
+      (GQA as in :func:`jax_fa3.attention`).  All devices on the ring must
+      hold equal-length shards.
+    axis_name: the mesh axis (or tuple of axes) the sequence is split over.
+    is_causal: top-left causal over the GLOBAL positions (needs T == S).
+    layout: ``"contiguous"`` (device r holds the r-th slice) or ``"zigzag"``
+      (device r holds chunks r and 2P-1-r; build it with :func:`to_zigzag`).
+      Zigzag balances causal work; for non-causal both are equally fast.
+    scale, softcap: as in :func:`jax_fa3.attention`.
+    query_seq_lengths, key_value_seq_lengths: optional GLOBAL ``int32[B]``
+      lengths (identical on every device of the ring).
+    implementation: None (kernel when supported, else the reference), "fa3"
+      or "reference".
+    return_lse: also return the global log-sum-exp ``f32 [B, N, T/P]``
+      (``+inf`` for rows that see no key; not differentiable).
+
+  Local windows are not supported (ValueError).
+  """
+  q, k, v = V.check_qkv(query, key, value)
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  if layout not in ring.LAYOUTS:
+    raise ValueError(f"layout must be one of {ring.LAYOUTS}, got {layout!r}")
+  is_causal = V.check_is_causal(is_causal)
+  if is_causal and T != S:
+    raise ValueError("causal ring attention needs equal query and key/value "
+                     f"shard lengths, got {T} and {S}")
+  V.check_implementation(implementation, (None, "fa3", "reference"))
+  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
+  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
+                                "key_value_seq_lengths", B)
+  try:
+    n_dev = ring.axis_size(axis_name)
+  except (NameError, KeyError, ValueError) as e:
+    raise ValueError(f"ring_attention must run inside shard_map/pmap with "
+                     f"axis {axis_name!r} bound: {e}") from e
+  if layout == "zigzag" and (T % 2 or S % 2):
+    raise ValueError("zigzag layout needs even local sequence lengths, got "
+                     f"{T} (q) and {S} (kv)")
+  T_glob, S_glob = T * n_dev, S * n_dev
+  q_lens = (jnp.full((B,), T_glob, jnp.int32) if q_lens is None
+            else jnp.minimum(q_lens, T_glob))
+  kv_lens = (jnp.full((B,), S_glob, jnp.int32) if kv_lens is None
+             else jnp.minimum(kv_lens, S_glob))
+  cfg = core.Config(
+      scale=V.check_scale(scale, H), softcap=V.check_softcap(softcap),
+      window_left=-1, window_right=-1,
+      kernel=_use_kernel(q, implementation, False),
+      ring=core.RingConfig(axis_name, n_dev, layout, is_causal),
+      block_k=_BLOCK_K)
+  out, lse = core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)
+  return (out, lse) if return_lse else out

@@ -50,8 +50,8 @@ def _parse(argv, on_gpu):
   ap.add_argument("--vocab", type=int, default=256 if g else 64)
   ap.add_argument("--period", type=int, default=64 if g else 16,
                   help="length of the repeated random block (copy task)")
-  # GPU: 2e-3 spiked the loss above log(vocab) in the first steps at d_model 2048
-  # (H200, 2026-11-29); 5e-4 is the usual range for this width.
+  # GPU: 2e-3 spikes the loss above log(vocab) in the first steps at
+  # d_model 2048; 5e-4 is the usual range for this width.
   ap.add_argument("--lr", type=float, default=5e-4 if g else 1e-2)
   ap.add_argument("--dtype", default="bfloat16" if g else "float32",
                   choices=["bfloat16", "float16", "float32"],
@@ -111,8 +111,8 @@ def _build(args, mesh, attention):
     if args.context > 1:
       # jax.nn has no ring: inside shard_map, all-gather the sequence (natural
       # order), attend over all of it, keep this device's query rows.  Left
-      # to jit, cuDNN's partitioning rule refuses a sharded sequence, and the
-      # constraint-gathered variant trained to NaN on 2 H200s (2026-11-29).
+      # to jit, cuDNN's partitioning rule refuses a sharded sequence, and
+      # gathering through a sharding constraint instead trains to NaN.
       spec = P("data", "context", "tensor", None)
 
       def gathered(q, k, v):

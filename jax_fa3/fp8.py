@@ -3,11 +3,10 @@
 ``attention(q, k, v, precision="fp8")`` quantizes bf16/fp16 Q, K, V inside
 and returns the input dtype.  On an H100/H200 with the kernels built this is
 the CUDA path: one fused quantize pre-pass kernel, then the FP8 forward
-kernel (QGMMA with FP32 accumulation, FP32 softmax); ``JAX_FA3_FP8_KERNEL=0``
-opts out (verified on the H200 in session 3: float64 host check, GPU tests,
-racecheck; it hung in session 2, on a register-budget bug since fixed).
-Elsewhere it is the pure-JAX emulation of the same method (XLA ops:
-quantize, e4m3 rounding of Q, K, V and P, FP32 scores and softmax).  Two
+kernel (QGMMA with FP32 accumulation, FP32 softmax).  Elsewhere, or with
+``implementation="reference"``, it is the pure-JAX emulation of the same
+method defined here (quantize, e4m3 rounding of Q, K, V and P, FP32 scores
+and softmax); it is also what the FP8 primitives lower to off CUDA.  Two
 accuracy devices, both on by default and switchable for ablation:
 
 * **block scales**: one FP32 scale (``amax / 448``) per block of rows the
@@ -22,52 +21,49 @@ accuracy devices, both on by default and switchable for ablation:
 Scale layout (float32, row-major), one scale per kernel block:
 
 * ``q_scale [B, N, ceil(T / 128)]``: 128 query rows of one head.
-* ``k_scale, v_scale [B, K, ceil(S / block_n)]`` (V's scales powers of two:
-  the kernel folds their ratios into the e4m3 probabilities; other V scales
-  work but round P less well) with ``block_n =
-  kv_block_rows(head_dim)`` (128 for every head dim; it was 64 for d 256
-  before 2026-11-30): rows of one key/value head.
+* ``k_scale, v_scale [B, K, ceil(S / block_n)]`` with ``block_n =
+  kv_block_rows(head_dim)`` (128): rows of one key/value head.  V's scales
+  are powers of two: the kernel folds their ratios into the e4m3
+  probabilities (other V scales work but round P less well).
 
 A dequantized value is ``e4m3 value * scale``.  :func:`quantize_fp8` produces
-exactly this layout; :func:`attention_fp8` consumes it (e.g. an FP8 KV cache).
+exactly this layout; :func:`jax_fa3.attention_fp8` consumes it (e.g. an FP8
+KV cache).
 
 V's layout.  FP8 WGMMA reads V only as V^T (key index contiguous).
-:func:`attention_fp8` takes V as ``[B, S, K, H]`` and its kernel transposes
-every V tile in shared memory.  ``precision="fp8"`` instead has the pre-pass,
-which writes V anyway, write it as V^T ``[B, K, H, S padded to 128]`` (keys
+``attention_fp8`` takes V as ``[B, S, K, H]`` and its kernel transposes every
+V tile in shared memory.  ``precision="fp8"`` instead has the pre-pass, which
+writes V anyway, write it as V^T ``[B, K, H, S padded to 128]`` (keys
 permuted inside each 32-key slice to match the P registers, padding zero):
 the same HBM traffic, and the kernel then loads V^T tiles with TMA and skips
-the transpose (H200, kernel alone: d256 +18%, d128 +5%; benchmarks/RESULTS.md).
+the transpose.
 
 Gradients: ``jax.grad`` through ``precision="fp8"`` is straight-through: the
 backward is the ordinary (bf16/fp16) attention backward evaluated at the
-original, unquantized inputs.
-
-With ``JAX_FA3_FP8_KERNEL=0``, without an H100/H200, or for
-``implementation="reference"``, the same quantization is emulated in pure JAX (:func:`quantize_fp8`, and
-:func:`emulate_fp8_attention`, which also rounds P to e4m3 as the kernel
-does), so results are close to, not bit-identical with, the kernel's.
+original, unquantized inputs (:mod:`jax_fa3.core`).  The emulation's results
+are close to, not bit-identical with, the kernel's.
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.interpreters import mlir
 
-from jax_fa3 import _native, _validate as V
+from jax_fa3 import _native, _validate as V, primitives, sharding
 
-__all__ = ["quantize_fp8", "attention_fp8", "emulate_fp8_attention",
-           "hadamard_signs", "rotate", "kv_block_rows", "Q_BLOCK_ROWS",
-           "E4M3_MAX", "fp8_kernel_blocker", "fp8_kernel_enabled"]
+__all__ = ["quantize_fp8", "quantize_qkv", "attention_quantized",
+           "emulate_fp8_attention", "hadamard_signs", "rotate",
+           "kv_block_rows", "vt_key_order", "to_vt_layout", "Q_BLOCK_ROWS",
+           "E4M3_MAX", "QUANT_TARGET", "FWD_TARGET", "compiled_fp8_configs",
+           "fp8_kernel_blocker", "check_fp8_options", "check_fp8_operands"]
 
 E4M3_MAX = 448.0
 Q_BLOCK_ROWS = 128
-FP8_HEAD_DIMS = (64, 128, 256)
 # P is produced as 2**8 * exp(s - max) before its cast to e4m3 (uses the e4m3
 # range; values below 2**-9 would flush to zero otherwise); cancels in PV/sum.
 _P_SHIFT = 256.0
@@ -75,8 +71,9 @@ _F32 = jnp.float32
 _E4M3 = jnp.float8_e4m3fn
 _HIGHEST = lax.Precision.HIGHEST
 
-QUANT_TARGET = "jax_fa3_fp8_quantize"
-FWD_TARGET = "jax_fa3_fp8_fwd"
+QUANT_TARGET = primitives.FP8_QUANT_TARGET
+FWD_TARGET = primitives.FP8_FWD_TARGET
+compiled_fp8_configs = _native.compiled_fp8_configs
 
 
 def kv_block_rows(head_dim: int) -> int:
@@ -148,7 +145,7 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
   if x.ndim != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a floating [B, S, N, H] array, got "
                      f"{x.dtype} of shape {x.shape}")
-  if not V._is_int(block_rows) or block_rows <= 0:
+  if not V.is_int(block_rows) or block_rows <= 0:
     raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
   y = x.astype(_F32)
   if hadamard:
@@ -162,15 +159,24 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
   amax = _block_amax(y, block_rows)
   if per_tensor:
     amax = jnp.full_like(amax, jnp.max(amax))
+  scales = _amax_scales(amax, pow2_scales)
+  return _cast(y, scales, block_rows), scales
+
+
+def _amax_scales(amax, pow2):
   scales = amax / E4M3_MAX
-  if pow2_scales:
+  if pow2:
     mant, expo = jnp.frexp(scales)  # scales = mant * 2^expo, mant in [0.5, 1)
-    scales = jnp.ldexp(jnp.ones_like(scales), jnp.where(mant == 0.5, expo - 1, expo))
-  zero_scale = float(np.finfo(np.float32).tiny) if pow2_scales else 1.0
-  scales = jnp.where(amax > 0, scales, zero_scale).astype(_F32)
-  q = jnp.clip(y / _expand_scales(scales, block_rows, x.shape[1]),
+    scales = jnp.ldexp(jnp.ones_like(scales),
+                       jnp.where(mant == 0.5, expo - 1, expo))
+  zero_scale = float(np.finfo(np.float32).tiny) if pow2 else 1.0
+  return jnp.where(amax > 0, scales, zero_scale).astype(_F32)
+
+
+def _cast(y, scales, block_rows):
+  q = jnp.clip(y / _expand_scales(scales, block_rows, y.shape[1]),
                -E4M3_MAX, E4M3_MAX).astype(_E4M3)
-  return _pin(q), scales
+  return _pin(q)
 
 
 def _pin(x8):
@@ -229,33 +235,81 @@ def emulate_fp8_attention(q8, k8, v8, q_scale, k_scale, v_scale, *, scale,
           lse.reshape(b, n, t))
 
 
+# ------------------------------------------------------------- V^T layout
+def vt_key_order(block_n: int = 128) -> np.ndarray:
+  """Key held by each position of one V^T block (``vt_key_of`` in
+  cc/fp8/params.h): within each 32-key slice, position ``16 h + 4 t + i``
+  holds key ``16 h + 8 (i // 2) + 2 t + i % 2``."""
+  p = np.arange(block_n)
+  return ((p & ~31) + 16 * ((p & 31) // 16) + 8 * ((p % 4) // 2)
+          + 2 * ((p % 16) // 4) + p % 2)
+
+
+def _vt_keys(padded, block_n):
+  p = np.arange(padded)
+  return (p // block_n) * block_n + vt_key_order(block_n)[p % block_n]
+
+
+def to_vt_layout(v8):
+  """e4m3 V ``[B, S, K, H]`` -> the V^T layout ``[B, K, H, S_pad]`` the
+  pre-pass writes for ``precision="fp8"`` (module docstring).  Pure JAX."""
+  b, s, kh, h = v8.shape
+  bn = kv_block_rows(h)
+  sp = primitives.vt_shape(b, s, kh, h, bn)[-1]
+  vp = jnp.pad(v8, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+  return jnp.transpose(vp[:, _vt_keys(sp, bn)], (0, 2, 3, 1))
+
+
+def _from_vt_layout(vt, s):
+  """Inverse of :func:`to_vt_layout` (``s`` keys)."""
+  bn = kv_block_rows(vt.shape[2])
+  pos = np.argsort(_vt_keys(vt.shape[3], bn))
+  return jnp.transpose(vt, (0, 3, 1, 2))[:, pos[:s]]
+
+
+# ------------------------------------------- emulation of the FP8 kernels
+def _quantize_emulation(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
+                        v_transposed):
+  """What the pre-pass kernel computes (``fixed``: empty, or the three
+  tensor-wide scales of a second pass)."""
+  ys = [x.astype(_F32) for x in (q, k, v)]
+  if hadamard:
+    ys[0], ys[1] = rotate(ys[0], signs), rotate(ys[1], signs)
+  outs, scales = [], []
+  for i, (y, rows) in enumerate(zip(ys, (block_q, block_kv, block_kv))):
+    sc = _amax_scales(_block_amax(y, rows), pow2=i == 2)
+    if fixed.shape[0]:
+      sc = jnp.full_like(sc, fixed[i])
+    outs.append(_cast(y, sc, rows))
+    scales.append(sc)
+  if v_transposed:
+    outs[2] = to_vt_layout(outs[2])
+  return (*outs, *scales)
+
+
+def _fwd_emulation(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *, scale,
+                   window_left, window_right, out_dtype, v_transposed):
+  if v_transposed:
+    v8 = _from_vt_layout(v8, k8.shape[1])
+  return emulate_fp8_attention(
+      q8, k8, v8, qs, ks, vs, scale=scale, q_lens=q_lens, kv_lens=kv_lens,
+      window_left=window_left, window_right=window_right, out_dtype=out_dtype)
+
+
+# Off CUDA the FP8 primitives are this emulation (as the 16-bit ones are the
+# reference), so their partitioning is testable on CPU.
+mlir.register_lowering(primitives.fp8_quantize_p, mlir.lower_fun(
+    _quantize_emulation, multiple_results=True))
+mlir.register_lowering(primitives.fp8_fwd_p, mlir.lower_fun(
+    _fwd_emulation, multiple_results=True))
+
+
 # ---------------------------------------------------------------- kernels
-
-def compiled_fp8_configs() -> frozenset:
-  """``(output dtype name, head_dim)`` pairs with an FP8 kernel."""
-  mod = getattr(_native, "_jax_fa3", None)
-  fn = getattr(mod, "compiled_fp8_configs", None)
-  return frozenset((str(d), int(hd)) for d, hd in fn()) if fn else frozenset()
-
-
-KERNEL_ENV = "JAX_FA3_FP8_KERNEL"
-
-
-def fp8_kernel_enabled() -> bool:
-  """The FP8 attention kernel is on unless ``JAX_FA3_FP8_KERNEL=0`` (or
-  false/no/off), which makes ``precision="fp8"`` run the pure-JAX emulation of
-  the same method everywhere.  Read at trace time."""
-  return os.environ.get(KERNEL_ENV, "").strip().lower() not in ("0", "false",
-                                                                "no", "off")
-
-
 def fp8_kernel_blocker(dtype, head_dim):
   """Why the FP8 kernel cannot run (None if it can)."""
   dtype = np.dtype(dtype)
   if dtype not in V.KERNEL_DTYPES:
     return f"precision='fp8' needs bfloat16 or float16 inputs, got {dtype}"
-  if not fp8_kernel_enabled():
-    return f"the FP8 attention kernel is switched off ({KERNEL_ENV}=0)"
   if not _native.available():
     return "the jax_fa3 CUDA kernels were not built"
   if not _native.sm90_gpu_present():
@@ -266,71 +320,12 @@ def fp8_kernel_blocker(dtype, head_dim):
   return None
 
 
-def _scale_shape(b, heads, seq, rows):
-  return (b, heads, -(-seq // rows))
-
-
-def _vt_shape(b, s, kh, h):
-  """Shape of V^T as the pre-pass writes it for the "vt" kernel
-  (cc/fp8/params.h): keys padded to whole kernel blocks."""
-  bn = kv_block_rows(h)
-  return (b, kh, h, -(-s // bn) * bn)
-
-
-def vt_key_order(block_n: int = 128) -> np.ndarray:
-  """Key held by each position of one V^T block (``vt_key_of`` in
-  cc/fp8/params.h): within each 32-key slice, position ``16 h + 4 t + i``
-  holds key ``16 h + 8 (i // 2) + 2 t + i % 2``."""
-  p = np.arange(block_n)
-  return ((p & ~31) + 16 * ((p & 31) // 16) + 8 * ((p % 4) // 2)
-          + 2 * ((p % 16) // 4) + p % 2)
-
-
-def to_vt_layout(v8):
-  """e4m3 V ``[B, S, K, H]`` -> the V^T layout ``[B, K, H, S_pad]`` the
-  pre-pass writes for ``precision="fp8"`` (module docstring).  Pure JAX; for
-  tests."""
-  b, s, kh, h = v8.shape
-  sp = _vt_shape(b, s, kh, h)[-1]
-  bn = kv_block_rows(h)
-  keys = (np.arange(sp) // bn) * bn + vt_key_order(bn)[np.arange(sp) % bn]
-  vp = jnp.pad(v8, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
-  return jnp.transpose(vp[:, keys], (0, 2, 3, 1))
-
-
-def _quantize_kernel(q, k, v, signs, fixed, hadamard, v_transposed=False):
-  b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  bn = kv_block_rows(h)
-  sds = jax.ShapeDtypeStruct
-  v_shape = _vt_shape(b, s, kh, h) if v_transposed else v.shape
-  shapes = (sds(q.shape, _E4M3), sds(k.shape, _E4M3), sds(v_shape, _E4M3),
-            sds(_scale_shape(b, n, t, Q_BLOCK_ROWS), _F32),
-            sds(_scale_shape(b, kh, s, bn), _F32),
-            sds(_scale_shape(b, kh, s, bn), _F32))
-  return jax.ffi.ffi_call(QUANT_TARGET, shapes, vmap_method="sequential")(
-      q, k, v, signs, fixed, block_q=np.int32(Q_BLOCK_ROWS),
-      block_kv=np.int32(bn), hadamard=np.int32(bool(hadamard)),
-      v_transposed=np.int32(bool(v_transposed)))
-
-
-def _fwd_kernel(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
-                out_dtype, v_transposed=False):
-  b, t, n, h = q8.shape
-  sds = jax.ShapeDtypeStruct
-  shapes = (sds(q8.shape, out_dtype), sds((b, n, t), _F32))
-  return jax.ffi.ffi_call(FWD_TARGET, shapes, vmap_method="sequential")(
-      q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale=np.float32(scale),
-      window_left=np.int32(wl), window_right=np.int32(wr),
-      v_transposed=np.int32(bool(v_transposed)))
-
-
 def quantize_qkv(q, k, v, *, block_scales=True, hadamard=True, seed=0,
                  use_kernel=False, v_transposed=False):
   """Q, K, V -> (q8, k8, v8, q_scale, k_scale, v_scale) in the kernel's
-  block layout; Q and K share the rotation, V gets scales only.
-  ``v_transposed`` (with ``use_kernel``): v8 in the V^T layout of the module
-  docstring, for ``_fp8_core(..., v_transposed=True)``."""
+  block layout; Q and K share the rotation, V gets power-of-two scales only.
+  ``use_kernel``: the pre-pass kernel (else the emulation); with it,
+  ``v_transposed`` writes v8 in the V^T layout of the module docstring."""
   if v_transposed and not use_kernel:
     raise ValueError("v_transposed needs use_kernel=True (the pre-pass kernel)")
   h = q.shape[-1]
@@ -338,11 +333,14 @@ def quantize_qkv(q, k, v, *, block_scales=True, hadamard=True, seed=0,
     _check_head_dim_pow2(h)
   signs = hadamard_signs(h, seed) if hadamard else jnp.ones((h,), _F32)
   if use_kernel:
-    none = jnp.zeros((0,), _F32)
-    out = _quantize_kernel(q, k, v, signs, none, hadamard, v_transposed)
+    call = functools.partial(
+        sharding.fp8_quantize, q, k, v, signs, block_q=Q_BLOCK_ROWS,
+        block_kv=kv_block_rows(h), hadamard=hadamard,
+        v_transposed=v_transposed)
+    out = call(jnp.zeros((0,), _F32))
     if not block_scales:  # a second pass with the tensor-wide scales
-      fixed = jnp.stack([jnp.max(out[3]), jnp.max(out[4]), jnp.max(out[5])])
-      out = _quantize_kernel(q, k, v, signs, fixed, hadamard, v_transposed)
+      out = call(jnp.stack([jnp.max(out[3]), jnp.max(out[4]),
+                            jnp.max(out[5])]))
     return out
   bn = kv_block_rows(h)
   kw = dict(per_tensor=not block_scales)
@@ -353,7 +351,8 @@ def quantize_qkv(q, k, v, *, block_scales=True, hadamard=True, seed=0,
   return q8, k8, v8, qs, ks, vs
 
 
-def _check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
+def check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
+  """Validates :func:`jax_fa3.attention_fp8`'s quantized operands."""
   arrs = [V.as_array(x, name) for x, name in
           ((q8, "query"), (k8, "key"), (v8, "value"))]
   if any(x.dtype != np.dtype(_E4M3) for x in arrs):
@@ -363,9 +362,9 @@ def _check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
   b, t, n, h = q8.shape
   s, kh = k8.shape[1], k8.shape[2]
   bn = kv_block_rows(h)
-  want = {"q_scale": (q_scale, _scale_shape(b, n, t, Q_BLOCK_ROWS)),
-          "k_scale": (k_scale, _scale_shape(b, kh, s, bn)),
-          "v_scale": (v_scale, _scale_shape(b, kh, s, bn))}
+  want = {"q_scale": (q_scale, (b, n, -(-t // Q_BLOCK_ROWS))),
+          "k_scale": (k_scale, (b, kh, -(-s // bn))),
+          "v_scale": (v_scale, (b, kh, -(-s // bn)))}
   out = []
   for name, (x, shape) in want.items():
     x = V.as_array(x, name)
@@ -376,43 +375,12 @@ def _check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
   return (q8, k8, v8, *out)
 
 
-def attention_fp8(query, key, value, q_scale, k_scale, v_scale, *,
-                  scale=None, is_causal=False, local_window_size=None,
-                  query_seq_lengths=None, key_value_seq_lengths=None,
-                  out_dtype=jnp.bfloat16, implementation=None):
-  """Attention on already quantized e4m3 inputs (e.g. an FP8 KV cache).
-
-  ``query [B, T, N, H]``, ``key/value [B, S, K, H]`` float8_e4m3fn; scales
-  in the layout of the module docstring (:func:`quantize_fp8` makes them).
-  If Q and K were rotated, they must share the signs (``QK^T`` is then
-  unchanged).  Returns ``out_dtype`` (bfloat16 or float16).  Not
-  differentiable.
-  """
-  q8, k8, v8, qs, ks, vs = _check_fp8_operands(query, key, value, q_scale,
-                                               k_scale, v_scale)
-  b, t, n, h = q8.shape
-  out_dtype = np.dtype(out_dtype)
-  if out_dtype not in V.KERNEL_DTYPES:
-    raise ValueError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
-  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b)
-  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
-                                "key_value_seq_lengths", b)
-  window = V.check_window(local_window_size)
-  scale = V.check_scale(scale, h)
-  is_causal = V.check_is_causal(is_causal)
-  V.check_implementation(implementation, (None, "fa3", "reference"))
-  wl, wr = (-1, -1) if window is None else window
-  if is_causal:
-    wr = 0 if wr < 0 else min(wr, 0)
-  out, _ = _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
-                     out_dtype, implementation)
-  return out
-
-
-def _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
-              out_dtype, implementation, v_transposed=False):
-  """``v_transposed``: v8 is V^T from ``quantize_qkv(..., use_kernel=True,
-  v_transposed=True)``; kernel path only."""
+def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
+                        wr, out_dtype, implementation, v_transposed=False):
+  """Attention on validated e4m3 operands -> ``(out, lse)``: the FP8 kernel
+  (partitioned) or, for ``implementation="reference"`` or where the kernel
+  cannot run, the emulation.  ``v_transposed``: v8 is V^T from
+  ``quantize_qkv(..., use_kernel=True, v_transposed=True)``; kernel only."""
   b, t, n, h = q8.shape
   s = k8.shape[1]
   blocker = fp8_kernel_blocker(out_dtype, h)
@@ -424,8 +392,9 @@ def _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl, wr,
   if implementation != "reference" and blocker is None:
     ql = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens
     kl = jnp.full((b,), s, jnp.int32) if kv_lens is None else kv_lens
-    return _fwd_kernel(q8, k8, v8, qs, ks, vs, ql, kl, scale, wl, wr,
-                       out_dtype, v_transposed)
+    return sharding.fp8_fwd(q8, k8, v8, qs, ks, vs, ql, kl, scale=scale,
+                            window_left=wl, window_right=wr,
+                            out_dtype=out_dtype, v_transposed=v_transposed)
   return emulate_fp8_attention(q8, k8, v8, qs, ks, vs, scale=scale,
                                q_lens=q_lens, kv_lens=kv_lens, window_left=wl,
                                window_right=wr, out_dtype=out_dtype)
@@ -436,50 +405,12 @@ def check_fp8_options(block_scales, hadamard, seed):
                   ("fp8_hadamard", hadamard)):
     if not isinstance(x, (bool, np.bool_)):
       raise ValueError(f"{name} must be a bool, got {x!r}")
-  if not V._is_int(seed):
+  if not V.is_int(seed):
     raise ValueError(f"fp8_seed must be an int, got {seed!r}")
   return bool(block_scales), bool(hadamard), int(seed)
 
 
-def fp8_attention(q, k, v, q_lens, kv_lens, *, scale, softcap, wl, wr,
-                  block_scales, hadamard, seed, implementation, bf16_core):
-  """precision='fp8' path of :func:`jax_fa3.attention` (validated inputs).
-
-  ``bf16_core(q, k, v) -> out`` is the ordinary attention with the same
-  arguments: it gives the straight-through backward."""
-  h = q.shape[-1]
-  if softcap:
-    raise ValueError("softcap is not supported with precision='fp8'")
-  if np.dtype(q.dtype) not in V.KERNEL_DTYPES:
-    raise ValueError(f"precision='fp8' needs bfloat16 or float16 inputs, got "
-                     f"{q.dtype}")
+def check_head_dim(h, hadamard):
+  """The Hadamard rotation needs a power-of-two head dim."""
   if hadamard:
     _check_head_dim_pow2(h)
-  blocker = fp8_kernel_blocker(q.dtype, h)
-  if implementation == "fa3" and blocker is not None:
-    raise ValueError(f"implementation='fa3' is not possible: {blocker}")
-  use_kernel = implementation != "reference" and blocker is None
-  impl = "fa3" if use_kernel else "reference"
-
-  def forward(q, k, v):
-    # The kernel path has the pre-pass write V^T (module docstring).
-    q8, k8, v8, qs, ks, vs = quantize_qkv(
-        q, k, v, block_scales=block_scales, hadamard=hadamard, seed=seed,
-        use_kernel=use_kernel, v_transposed=use_kernel)
-    out, _ = _fp8_core(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
-                       wr, q.dtype, impl, v_transposed=use_kernel)
-    return out
-
-  @jax.custom_vjp
-  def f(q, k, v):
-    return forward(q, k, v)
-
-  def f_fwd(q, k, v):
-    return forward(q, k, v), (q, k, v)
-
-  def f_bwd(res, g):
-    _, vjp = jax.vjp(bf16_core, *res)
-    return vjp(g)
-
-  f.defvjp(f_fwd, f_bwd)
-  return f(q, k, v)

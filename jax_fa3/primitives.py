@@ -1,135 +1,174 @@
-"""JAX primitives ``fa3_fwd`` / ``fa3_bwd`` and the differentiable wrapper.
+"""The inner primitives, one per kernel family: their shapes, lowering and
+batching rule.
 
-On CUDA the forward lowers to the XLA FFI custom call ``jax_fa3_fwd`` (see the
-FFI contract in ``cc/``) and the backward to ``jax_fa3_bwd`` for every
-(dtype, head dim) in ``_native.compiled_bwd_configs()``; a configuration
-without a backward kernel (head dims 96/192/256 for now) lowers the backward to
-the reference, explicitly.  On every other platform both lower to the pure-JAX
-blockwise reference (:mod:`jax_fa3.reference`), so the primitives are usable
--- and tested -- on CPU.
+* ``fa3_fwd_p``: FlashAttention forward -> FFI ``jax_fa3_fwd``.
+* ``fa3_bwd_p``: its backward -> FFI ``jax_fa3_bwd`` where a backward kernel
+  was compiled for (dtype, head dim), otherwise the reference backward.
+* ``fp8_quantize_p``: the FP8 pre-pass (Hadamard rotation, block scales,
+  e4m3 cast) -> FFI ``jax_fa3_fp8_quantize``.
+* ``fp8_fwd_p``: FP8 attention forward -> FFI ``jax_fa3_fp8_fwd``.
 
-Static parameters (``scale``, ``softcap``, ``window_left``, ``window_right``)
-are Python ``float``/``int`` primitive params; they are converted to
-``np.float32``/``np.int32`` FFI attributes at lowering time.
+On CUDA they lower to the FFI custom calls (the contract is in ``cc/ffi``).
+On every other platform they lower to pure JAX (:mod:`jax_fa3.reference`;
+the FP8 pair to the emulation that :mod:`jax_fa3.fp8` registers), so the
+whole primitive path runs, and is tested, on CPU.  Static parameters are
+Python numbers in the primitive params and become ``np.float32`` /
+``np.int32`` FFI attributes at lowering time.
+
+Users do not bind these directly: :mod:`jax_fa3.sharding` wraps each one with
+its partitioning rule, and :mod:`jax_fa3.core` holds the ``custom_vjp``.
 """
 from __future__ import annotations
 
-import functools
 from functools import partial
 
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-try:
-  from jax.core import ShapedArray
-except ImportError:  # pragma: no cover - future jax
-  from jax._src.core import ShapedArray  # type: ignore
-
 from jax_fa3 import _native, reference
 
-__all__ = ["fa3_fwd_p", "fa3_bwd_p", "fa3_fwd", "fa3_bwd", "fa3_attention"]
-
-# The CUDA backward kernel ("jax_fa3_bwd") is used for the configurations in
-# _native.compiled_bwd_configs(); False forces the reference backward.
-_BWD_KERNEL = True
+__all__ = ["fa3_fwd_p", "fa3_bwd_p", "fp8_quantize_p", "fp8_fwd_p",
+           "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd", "fold_vmap",
+           "bwd_kernel_available", "FWD_TARGET", "BWD_TARGET",
+           "FP8_QUANT_TARGET", "FP8_FWD_TARGET"]
 
 FWD_TARGET = "jax_fa3_fwd"
 BWD_TARGET = "jax_fa3_bwd"
+FP8_QUANT_TARGET = "jax_fa3_fp8_quantize"
+FP8_FWD_TARGET = "jax_fa3_fp8_fwd"
 
-fa3_fwd_p = Primitive("fa3_fwd")
-fa3_fwd_p.multiple_results = True
-fa3_bwd_p = Primitive("fa3_bwd")
-fa3_bwd_p.multiple_results = True
-
-
-def _attrs(scale, softcap, window_left, window_right):
-  return dict(scale=float(scale), softcap=float(softcap),
-              window_left=int(window_left), window_right=int(window_right))
+_F32 = jnp.float32
+_E4M3 = jnp.float8_e4m3fn
+_sds = jax.ShapeDtypeStruct
 
 
+def _primitive(name):
+  p = Primitive(name)
+  p.multiple_results = True
+  p.def_impl(partial(dispatch.apply_primitive, p))  # eager = jit of one op
+  return p
+
+
+fa3_fwd_p = _primitive("fa3_fwd")
+fa3_bwd_p = _primitive("fa3_bwd")
+fp8_quantize_p = _primitive("fp8_quantize")
+fp8_fwd_p = _primitive("fp8_fwd")
+
+
+# ------------------------------------------------------------------ binders
 def fa3_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0, window_left=-1,
             window_right=-1):
-  """Binds ``fa3_fwd``: returns ``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``."""
-  out, lse = fa3_fwd_p.bind(q, k, v, q_lens, kv_lens,
-                            **_attrs(scale, softcap, window_left, window_right))
-  return out, lse
+  """``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``."""
+  return tuple(fa3_fwd_p.bind(
+      q, k, v, q_lens, kv_lens, scale=float(scale), softcap=float(softcap),
+      window_left=int(window_left), window_right=int(window_right)))
 
 
 def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale, softcap=0.0,
             window_left=-1, window_right=-1, deterministic=False):
-  """Binds ``fa3_bwd``: returns ``(dq, dk, dv)``.
-
-  ``deterministic=True`` makes the kernel's dQ reduction run in a fixed order
-  (bit-identical gradients run to run); the reference is deterministic anyway.
-  """
-  dq, dk, dv = fa3_bwd_p.bind(
-      q, k, v, out, lse, dout, q_lens, kv_lens,
-      **_attrs(scale, softcap, window_left, window_right),
-      deterministic=bool(deterministic))
-  return dq, dk, dv
+  """``(dq, dk, dv)``; ``deterministic`` fixes the kernel's dQ summation
+  order (bit-identical gradients run to run)."""
+  return tuple(fa3_bwd_p.bind(
+      q, k, v, out, lse, dout, q_lens, kv_lens, scale=float(scale),
+      softcap=float(softcap), window_left=int(window_left),
+      window_right=int(window_right), deterministic=bool(deterministic)))
 
 
-# ---------------------------------------------------------------- impl / eval
-def _fwd_impl(q, k, v, q_lens, kv_lens, **attrs):
-  return reference.attention_fwd(q, k, v, q_lens, kv_lens, **attrs)
+def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
+                 v_transposed):
+  """``(q8, k8, v8, q_scale, k_scale, v_scale)``; ``fixed`` is empty (block
+  scales) or the three tensor-wide scales; ``v_transposed``: v8 in the V^T
+  layout of :mod:`jax_fa3.fp8`."""
+  return tuple(fp8_quantize_p.bind(
+      q, k, v, signs, fixed, block_q=int(block_q), block_kv=int(block_kv),
+      hadamard=bool(hadamard), v_transposed=bool(v_transposed)))
 
 
-def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, deterministic=False,
-              **attrs):
-  del deterministic  # the reference's order is fixed
-  return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                                 **attrs)
+def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *, scale,
+            window_left, window_right, out_dtype, v_transposed):
+  """``(out [B,T,N,H] out_dtype, lse f32 [B,N,T])``."""
+  return tuple(fp8_fwd_p.bind(
+      q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens,
+      scale=float(scale), window_left=int(window_left),
+      window_right=int(window_right), out_dtype=np.dtype(out_dtype),
+      v_transposed=bool(v_transposed)))
 
 
-def _fwd_abstract(q, k, v, q_lens, kv_lens, **_):
-  B, T, N, _h = q.shape
-  return (ShapedArray(q.shape, q.dtype),
-          ShapedArray((B, N, T), jnp.float32))
+# ------------------------------------------------------------ abstract eval
+def _blocks(n, rows):
+  return -(-n // rows)
 
 
-def _bwd_abstract(q, k, v, out, lse, dout, q_lens, kv_lens, **_):
-  return (ShapedArray(q.shape, q.dtype), ShapedArray(k.shape, k.dtype),
-          ShapedArray(v.shape, v.dtype))
+def vt_shape(b, s, kh, h, block_kv):
+  """V^T as the pre-pass writes it: ``[B, K, H, S padded to block_kv]``."""
+  return (b, kh, h, _blocks(s, block_kv) * block_kv)
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_bind(prim, params):
-  return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+def _fwd_shapes(q, k, v, q_lens, kv_lens, **_):
+  b, t, n, _h = q.shape
+  return (_sds(q.shape, q.dtype), _sds((b, n, t), _F32))
 
 
-def _eager_impl(prim):
-  # Eager application = jit of the single primitive (uses the lowerings below).
-  def impl(*args, **params):
-    return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
-  return impl
+def _bwd_shapes(q, k, v, *_, **__):
+  return (_sds(q.shape, q.dtype), _sds(k.shape, k.dtype),
+          _sds(v.shape, v.dtype))
 
 
-fa3_fwd_p.def_impl(_eager_impl(fa3_fwd_p))
-fa3_bwd_p.def_impl(_eager_impl(fa3_bwd_p))
-fa3_fwd_p.def_abstract_eval(_fwd_abstract)
-fa3_bwd_p.def_abstract_eval(_bwd_abstract)
+def _quantize_shapes(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
+                     v_transposed):
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  v_shape = vt_shape(b, s, kh, h, block_kv) if v_transposed else v.shape
+  kv_scales = _sds((b, kh, _blocks(s, block_kv)), _F32)
+  return (_sds(q.shape, _E4M3), _sds(k.shape, _E4M3), _sds(v_shape, _E4M3),
+          _sds((b, n, _blocks(t, block_q)), _F32), kv_scales, kv_scales)
+
+
+def _fp8_fwd_shapes(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *, out_dtype,
+                    **_):
+  b, t, n, _h = q8.shape
+  return (_sds(q8.shape, out_dtype), _sds((b, n, t), _F32))
+
+
+def _abstract(shapes_fn):
+  def rule(*avals, **params):
+    return [jax.core.ShapedArray(s.shape, s.dtype)
+            for s in shapes_fn(*avals, **params)]
+  return rule
+
+
+fa3_fwd_p.def_abstract_eval(_abstract(_fwd_shapes))
+fa3_bwd_p.def_abstract_eval(_abstract(_bwd_shapes))
+fp8_quantize_p.def_abstract_eval(_abstract(_quantize_shapes))
+fp8_fwd_p.def_abstract_eval(_abstract(_fp8_fwd_shapes))
 
 
 # ------------------------------------------------------------------ lowering
-def _ffi_rule(target):
-  rule = jax.ffi.ffi_lowering(target)
+def _ffi(target, shapes_fn, attrs_fn, n_results=None):
+  """CUDA lowering: the FFI call; ``n_results`` drops trailing scratch
+  outputs that XLA allocates for the kernel."""
+  def call(*args, **params):
+    shapes = shapes_fn(*args, **params)
+    res = jax.ffi.ffi_call(target, shapes)(*args, **attrs_fn(**params))
+    return res[:n_results] if n_results else res
+  return mlir.lower_fun(call, multiple_results=True)
 
-  def lowering(ctx, *args, scale, softcap, window_left, window_right):
-    return rule(ctx, *args, scale=np.float32(scale),
-                softcap=np.float32(softcap),
-                window_left=np.int32(window_left),
-                window_right=np.int32(window_right))
-  return lowering
+
+def _window_attrs(scale, window_left, window_right):
+  return dict(scale=np.float32(scale), window_left=np.int32(window_left),
+              window_right=np.int32(window_right))
 
 
-# Default (every platform): the pure-JAX reference.
-mlir.register_lowering(fa3_fwd_p, mlir.lower_fun(_fwd_impl,
-                                                 multiple_results=True))
-mlir.register_lowering(fa3_bwd_p, mlir.lower_fun(_bwd_impl,
-                                                 multiple_results=True))
+def _fwd_attrs(scale, softcap, window_left, window_right):
+  return dict(_window_attrs(scale, window_left, window_right),
+              softcap=np.float32(softcap))
+
+
 BWD_ROW_PAD = 128    # kBwdRowPad in cc/bwd/params.h
 BWD_SEM_BLOCK = 64   # kBwdBlockM in cc/bwd/params.h
 BWD_MAX_SPLIT = 160  # kBwdMaxSplitUnits in cc/bwd/params.h
@@ -142,112 +181,109 @@ def bwd_split_scratch_floats(B, S, K, H) -> int:
   return BWD_MAX_SPLIT + slots * 2 * 128 * H
 
 
-def bwd_kernel_available(dtype, head_dim) -> bool:
-  """True iff ``jax_fa3_bwd`` was compiled for (dtype, head_dim)."""
-  return _BWD_KERNEL and (np.dtype(dtype).name,
-                          int(head_dim)) in _native.compiled_bwd_configs()
-
-
-def _bwd_kernel_call(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale,
-                     softcap, window_left, window_right, deterministic):
-  """The backward custom call; its fp32/int32 scratch comes from XLA as extra
-  outputs (dQ accumulator, delta, base-2 LSE, semaphores, split key blocks'
-  sums) and is dropped."""
+def _bwd_kernel_shapes(q, k, v, out, lse, dout, q_lens, kv_lens, **_):
+  """dq, dk, dv, then the fp32/int32 scratch: dQ accumulator, delta, base-2
+  LSE, semaphores, split key blocks' sums."""
   B, T, N, H = q.shape
   t_pad = -(-T // BWD_ROW_PAD) * BWD_ROW_PAD
-  f32 = jnp.float32
-  shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((B, N, t_pad, H), f32),
-            jax.ShapeDtypeStruct((B, N, t_pad), f32),
-            jax.ShapeDtypeStruct((B, N, t_pad), f32),
-            jax.ShapeDtypeStruct((B, N, t_pad // BWD_SEM_BLOCK), jnp.int32),
-            jax.ShapeDtypeStruct(
-                (bwd_split_scratch_floats(B, k.shape[1], k.shape[2], H),), f32))
-  res = jax.ffi.ffi_call(BWD_TARGET, shapes)(
-      q, k, v, out, lse, dout, q_lens, kv_lens, scale=np.float32(scale),
-      softcap=np.float32(softcap), window_left=np.int32(window_left),
-      window_right=np.int32(window_right),
-      deterministic=np.int32(bool(deterministic)))
-  return res[:3]
+  return _bwd_shapes(q, k, v) + (
+      _sds((B, N, t_pad, H), _F32), _sds((B, N, t_pad), _F32),
+      _sds((B, N, t_pad), _F32),
+      _sds((B, N, t_pad // BWD_SEM_BLOCK), jnp.int32),
+      _sds((bwd_split_scratch_floats(B, k.shape[1], k.shape[2], H),), _F32))
 
 
-_bwd_kernel_lowering = mlir.lower_fun(_bwd_kernel_call, multiple_results=True)
-_bwd_reference_lowering = mlir.lower_fun(_bwd_impl, multiple_results=True)
+def _bwd_kernel_attrs(deterministic, **attrs):
+  return dict(_fwd_attrs(**attrs), deterministic=np.int32(deterministic))
 
 
-def _bwd_cuda_lowering(ctx, *args, **params):
-  # Per configuration: a (dtype, head dim) without a compiled backward kernel
-  # differentiates through the reference (documented in the README table).
-  q_aval = ctx.avals_in[0]
-  if bwd_kernel_available(q_aval.dtype, q_aval.shape[-1]):
-    return _bwd_kernel_lowering(ctx, *args, **params)
-  return _bwd_reference_lowering(ctx, *args, **params)
+def _quantize_attrs(block_q, block_kv, hadamard, v_transposed):
+  return dict(block_q=np.int32(block_q), block_kv=np.int32(block_kv),
+              hadamard=np.int32(hadamard),
+              v_transposed=np.int32(v_transposed))
 
 
-# CUDA: the FFI custom calls.
-mlir.register_lowering(fa3_fwd_p, _ffi_rule(FWD_TARGET), platform="cuda")
-mlir.register_lowering(fa3_bwd_p, _bwd_cuda_lowering, platform="cuda")
+def _fp8_fwd_attrs(scale, window_left, window_right, out_dtype,
+                   v_transposed):
+  del out_dtype  # the result type carries it
+  return dict(_window_attrs(scale, window_left, window_right),
+              v_transposed=np.int32(v_transposed))
+
+
+def bwd_kernel_available(dtype, head_dim) -> bool:
+  """True iff ``jax_fa3_bwd`` was compiled for (dtype, head_dim)."""
+  return (np.dtype(dtype).name,
+          int(head_dim)) in _native.compiled_bwd_configs()
+
+
+def _reference_fwd(q, k, v, q_lens, kv_lens, **attrs):
+  return reference.attention_fwd(q, k, v, q_lens, kv_lens, **attrs)
+
+
+def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, deterministic,
+                   **attrs):
+  del deterministic  # the reference's summation order is fixed
+  return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
+                                 **attrs)
+
+
+_bwd_kernel = _ffi(BWD_TARGET, _bwd_kernel_shapes, _bwd_kernel_attrs, 3)
+_bwd_reference = mlir.lower_fun(_reference_bwd, multiple_results=True)
+
+
+def _bwd_cuda(ctx, *args, **params):
+  # A (dtype, head dim) without a compiled backward kernel differentiates
+  # through the reference (the README's table lists which).
+  q = ctx.avals_in[0]
+  if bwd_kernel_available(q.dtype, q.shape[-1]):
+    return _bwd_kernel(ctx, *args, **params)
+  return _bwd_reference(ctx, *args, **params)
+
+
+mlir.register_lowering(fa3_fwd_p, mlir.lower_fun(_reference_fwd,
+                                                 multiple_results=True))
+mlir.register_lowering(fa3_bwd_p, _bwd_reference)
+mlir.register_lowering(fa3_fwd_p, _ffi(FWD_TARGET, _fwd_shapes, _fwd_attrs),
+                       platform="cuda")
+mlir.register_lowering(fa3_bwd_p, _bwd_cuda, platform="cuda")
+mlir.register_lowering(
+    fp8_quantize_p, _ffi(FP8_QUANT_TARGET, _quantize_shapes, _quantize_attrs),
+    platform="cuda")
+mlir.register_lowering(
+    fp8_fwd_p, _ffi(FP8_FWD_TARGET, _fp8_fwd_shapes, _fp8_fwd_attrs),
+    platform="cuda")
 
 
 # ------------------------------------------------------------------ batching
-def _fold(x, bd, size):
-  """Moves the vmapped axis to the front and folds it into the batch dim."""
-  if bd is None:
-    x = jnp.broadcast_to(x, (size,) + x.shape)
-  else:
-    x = jnp.moveaxis(x, bd, 0)
-  return x.reshape((size * x.shape[1],) + x.shape[2:])
+def fold_vmap(fn, axis_size, args, batched, n_per_batch=None):
+  """vmap of a kernel call whose operands all lead with the batch dim: the
+  vmapped axis (at 0, or absent) folds into the batch dim, one call serves
+  every element.  Operands after the first ``n_per_batch`` are shared by the
+  whole batch (Hadamard signs, fixed scales); when one of those is batched
+  the elements run one after another instead."""
+  n = len(args) if n_per_batch is None else n_per_batch
+  bcast = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+           for a, b in zip(args, batched)]
+  if any(batched[n:]):
+    return lax.map(lambda xs: tuple(fn(*xs)), tuple(bcast))
+  folded = [a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+            for a in bcast[:n]] + list(args[n:])
+  return tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:])
+               for o in fn(*folded))
 
 
-def _unfold(x, size):
-  return x.reshape((size, x.shape[0] // size) + x.shape[1:])
-
-
-def _batch_rule(prim):
+def _batch_rule(prim, n_per_batch=None):
   def rule(args, dims, **params):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    folded = [_fold(a, d, size) for a, d in zip(args, dims)]
-    outs = prim.bind(*folded, **params)
-    return [_unfold(o, size) for o in outs], [0] * len(outs)
+    args = [a if d is None else jnp.moveaxis(a, d, 0)
+            for a, d in zip(args, dims)]
+    outs = fold_vmap(lambda *xs: prim.bind(*xs, **params), size, args,
+                     [d is not None for d in dims], n_per_batch)
+    return list(outs), [0] * len(outs)
   return rule
 
 
 batching.primitive_batchers[fa3_fwd_p] = _batch_rule(fa3_fwd_p)
 batching.primitive_batchers[fa3_bwd_p] = _batch_rule(fa3_bwd_p)
-
-
-# ---------------------------------------------------------------- custom_vjp
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def fa3_attention(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-                  window_right, deterministic=False):
-  """Differentiable kernel attention returning ``(out, lse)``.
-
-  ``q_lens``/``kv_lens`` must be ``int32[B]`` arrays (not None).  The ``lse``
-  output is treated as non-differentiable (its cotangent is ignored).
-  ``deterministic`` only affects the backward (fixed dQ reduction order).
-  """
-  return fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap,
-                 window_left=window_left, window_right=window_right)
-
-
-def _vjp_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-             window_right, deterministic=False):
-  out, lse = fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap,
-                     window_left=window_left, window_right=window_right)
-  return (out, lse), (q, k, v, out, lse, q_lens, kv_lens)
-
-
-def _vjp_bwd(scale, softcap, window_left, window_right, deterministic, res,
-             cts):
-  q, k, v, out, lse, q_lens, kv_lens = res
-  dout, _ = cts
-  dq, dk, dv = fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype), q_lens,
-                       kv_lens, scale=scale, softcap=softcap,
-                       window_left=window_left, window_right=window_right,
-                       deterministic=deterministic)
-  return dq, dk, dv, None, None
-
-
-fa3_attention.defvjp(_vjp_fwd, _vjp_bwd)
+batching.primitive_batchers[fp8_quantize_p] = _batch_rule(fp8_quantize_p, 3)
+batching.primitive_batchers[fp8_fwd_p] = _batch_rule(fp8_fwd_p)

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["attention_fwd", "attention_bwd"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_bwd_with_dbias",
+           "reference_attention", "varying_like"]
 
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -72,7 +73,7 @@ def _vma(x):
   return frozenset(v or ())
 
 
-def _varying_like(tree, *refs):
+def varying_like(tree, *refs):
   """Types ``tree`` as varying over the manual mesh axes of ``refs``.
 
   Inside ``shard_map`` (``check_vma=True``) a scan carry must have the same
@@ -202,7 +203,7 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   init = (jnp.full((B, K, G, T), -jnp.inf, _F32),
           jnp.zeros((B, K, G, T), _F32),
           jnp.zeros((B, T, K, G, H), _F32))
-  init = _varying_like(init, q, k, v, q_lens, kv_lens, bias, mask)
+  init = varying_like(init, q, k, v, q_lens, kv_lens, bias, mask)
   (m, l, acc), _ = lax.scan(body, init, jnp.arange(st.n_chunks))
   has = l > 0
   l_safe = jnp.where(has, l, 1.0)
@@ -262,7 +263,7 @@ def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
 
   db0 = (jnp.zeros(bshape[:4] + (1,), _F32)
          if bshape is not None and not bias_full_s else jnp.zeros((), _F32))
-  init = _varying_like((jnp.zeros((B, T, K, G, H), _F32), db0), q, k, v,
+  init = varying_like((jnp.zeros((B, T, K, G, H), _F32), db0), q, k, v,
                        out, lse, dout, q_lens, kv_lens, bias, mask)
   (dq, db_acc), (dk, dv, db_chunks) = lax.scan(body, init,
                                                jnp.arange(st.n_chunks))
@@ -303,44 +304,13 @@ def attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale,
   return dq, dk, dv
 
 
-# --------------------------------------------------------------------------
-# Differentiable reference (the implementation="reference" path).
-# --------------------------------------------------------------------------
-from functools import partial  # noqa: E402
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
 def reference_attention(q, k, v, q_lens, kv_lens, bias, mask, scale, softcap,
                         window_left, window_right, block_k):
-  """Differentiable reference returning ``(out, lse)``.
-
-  The backward pass is the blockwise :func:`attention_bwd` (memory O(T*block_k)
-  rather than autodiff through the scan); ``lse`` is treated as
-  non-differentiable (its cotangent is ignored), like jax.nn's residual.
-  ``bias`` (optional) gets a gradient; ``mask``/``q_lens``/``kv_lens`` do not.
-  """
-  return attention_fwd(q, k, v, q_lens, kv_lens, scale=scale, softcap=softcap,
-                       window_left=window_left, window_right=window_right,
-                       bias=bias, mask=mask, block_k=block_k)
-
-
-def _ref_fwd(q, k, v, q_lens, kv_lens, bias, mask, scale, softcap,
-             window_left, window_right, block_k):
-  out, lse = attention_fwd(q, k, v, q_lens, kv_lens, scale=scale,
-                           softcap=softcap, window_left=window_left,
-                           window_right=window_right, bias=bias, mask=mask,
-                           block_k=block_k)
-  return (out, lse), (q, k, v, out, lse, q_lens, kv_lens, bias, mask)
-
-
-def _ref_bwd(scale, softcap, window_left, window_right, block_k, res, cts):
-  q, k, v, out, lse, q_lens, kv_lens, bias, mask = res
-  dout, _ = cts
-  dq, dk, dv, dbias = attention_bwd_with_dbias(
-      q, k, v, out, lse, dout, q_lens, kv_lens, scale=scale, softcap=softcap,
-      window_left=window_left, window_right=window_right, bias=bias,
-      mask=mask, block_k=block_k)
-  return dq, dk, dv, None, None, dbias, None
-
-
-reference_attention.defvjp(_ref_fwd, _ref_bwd)
+  """Differentiable reference returning ``(out, lse)``: the reference path of
+  :func:`jax_fa3.core.attention` (its ``custom_vjp`` gives the blockwise
+  :func:`attention_bwd_with_dbias`, memory O(T*block_k), rather than
+  autodiff through the scan; ``bias`` gets a gradient, ``lse`` none)."""
+  from jax_fa3 import core  # core builds on this module
+  cfg = core.Config(scale, softcap, window_left, window_right,
+                    block_k=block_k)
+  return core.attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)

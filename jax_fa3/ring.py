@@ -6,7 +6,7 @@ Each device keeps its query shard; K/V shards travel around the ring with
 ``r`` holds the K/V shard of device ``r - s``.  The next rotation is issued
 before the local attention of the current step so that XLA can overlap the
 transfer with the kernel.  Per-step partial outputs are merged exactly through
-their log-sum-exp (``primitives.fa3_fwd`` returns ``lse = +inf`` for a row that
+their log-sum-exp (the local forward returns ``lse = +inf`` for a row that
 sees no key; such a partial contributes nothing).
 
 Layouts (``layout=``):
@@ -26,22 +26,24 @@ Sequence lengths are global (``int32[B]``, replicated over ``axis_name``): in
 both layouts the valid positions of any local piece form a prefix of it, so
 they map onto the kernel's per-batch lengths.
 
-The backward (its own ``custom_vjp``) rotates K/V together with the dK/dV
-accumulators (fp32), calling ``primitives.fa3_bwd`` per step with the GLOBAL
-``out`` and ``lse``; after ``P`` rotations each accumulator is home.
+The backward rotates K/V together with the dK/dV accumulators (fp32),
+calling the local backward per step with the GLOBAL ``out`` and ``lse``;
+after ``P`` rotations each accumulator is home.  :func:`ring_fwd` /
+:func:`ring_bwd` run inside ``shard_map`` (:func:`jax_fa3.ring_attention`,
+through the core's ``custom_vjp``) and inside the sequence-sharded
+partitioning rule of :mod:`jax_fa3.sharding`.
 """
 from __future__ import annotations
-
-from functools import partial
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_fa3 import _native, _validate as V, primitives, reference
+from jax_fa3 import reference
 
-__all__ = ["ring_attention", "to_zigzag", "from_zigzag", "LAYOUTS"]
+__all__ = ["ring_fwd", "ring_bwd", "to_zigzag", "from_zigzag", "axis_size",
+           "LAYOUTS"]
 
 LAYOUTS = ("contiguous", "zigzag")
 _F32 = jnp.float32
@@ -75,17 +77,7 @@ def from_zigzag(x, num_shards, axis=1):
   return jnp.take(x, jnp.asarray(np.argsort(perm)), axis=axis)
 
 
-# ------------------------------------------------------------ local kernels
-def _kernel_fns(dtype, head_dim, implementation):
-  """(fwd, bwd) taking (..., q_lens, kv_lens, **attrs): kernel or reference."""
-  blocker = V.kernel_blocker(dtype, head_dim, _native)
-  if implementation == "fa3" and blocker is not None:
-    raise ValueError(f"implementation='fa3' is not possible: {blocker}")
-  if implementation == "fa3" or (implementation is None and blocker is None):
-    return primitives.fa3_fwd, primitives.fa3_bwd
-  return reference.attention_fwd, reference.attention_bwd
-
-
+# ------------------------------------------------------------ local pieces
 def _piece_len(lens, chunk, c):
   """Valid rows of chunk index ``chunk`` (traced) of size ``c``."""
   return jnp.clip(lens - chunk * c, 0, c).astype(jnp.int32)
@@ -169,7 +161,7 @@ def _run_case(step, fn, refs):
   same manual axes (shard_map's check_vma: cond branches and loop-carried
   accumulators must agree)."""
   tag, arg = step
-  typed = lambda kind: reference._varying_like(fn(kind), *refs)
+  typed = lambda kind: reference.varying_like(fn(kind), *refs)
   if tag != "cond":
     return typed(tag)
   pred, a, b = arg
@@ -186,13 +178,13 @@ def _merge(o, l, o_s, l_s):
   return o * wa + o_s.astype(_F32) * wb, l_new
 
 
-def _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
+def ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
               attrs, fns):
   fwd = fns[0]
   plan = _Plan(axis_name, n_dev, layout, causal, q.shape[1], k.shape[1])
   B, T, N, H = q.shape
   refs = (q, k, v, q_lens, kv_lens, plan.idx)
-  o, l = reference._varying_like(
+  o, l = reference.varying_like(
       (jnp.zeros(q.shape, _F32), jnp.full((B, N, T), -jnp.inf, _F32)), *refs)
   kc, vc = k, v
   for s in range(n_dev):
@@ -235,13 +227,13 @@ def _bwd_case(kind, plan, bwd, q, k, v, out, lse, dout, q_lens, kv_lens, j,
   return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
 
-def _ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
+def ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
               layout, causal, attrs, fns):
   bwd = fns[1]
   plan = _Plan(axis_name, n_dev, layout, causal, q.shape[1], k.shape[1])
   dout = dout.astype(out.dtype)
   refs = (q, k, v, out, lse, dout, q_lens, kv_lens, plan.idx)
-  dq, dk, dv = reference._varying_like(
+  dq, dk, dv = reference.varying_like(
       (jnp.zeros(q.shape, _F32), jnp.zeros(k.shape, _F32),
        jnp.zeros(v.shape, _F32)), *refs)
   kc, vc = k, v
@@ -262,94 +254,10 @@ def _ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-# ---------------------------------------------------------------- custom_vjp
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _ring(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal, attrs,
-          impl):
-  return _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
-                   dict(attrs), _kernel_fns(q.dtype, q.shape[-1], impl))
 
-
-def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
-                  attrs, impl):
-  out, lse = _ring(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
-                   attrs, impl)
-  return (out, lse), (q, k, v, out, lse, q_lens, kv_lens)
-
-
-def _ring_vjp_bwd(axis_name, n_dev, layout, causal, attrs, impl, res, cts):
-  q, k, v, out, lse, q_lens, kv_lens = res
-  dout, _ = cts
-  dq, dk, dv = _ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name,
-                         n_dev, layout, causal, dict(attrs),
-                         _kernel_fns(q.dtype, q.shape[-1], impl))
-  return dq, dk, dv, None, None
-
-
-_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
-
-
-def _axis_size(axis_name):
+def axis_size(axis_name):
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   n = 1
   for a in names:
     n *= lax.axis_size(a)
   return int(n)
-
-
-def ring_attention(query, key, value, *, axis_name, is_causal=False,
-                   layout="contiguous", scale=None, softcap=None,
-                   query_seq_lengths=None, key_value_seq_lengths=None,
-                   implementation=None, return_lse=False):
-  """Ring attention for use inside ``shard_map`` (sequence split over ``axis_name``).
-
-  Args:
-    query: local shard ``[B, T/P, N, H]``; key, value: ``[B, S/P, K, H]``
-      (GQA as in :func:`jax_fa3.attention`).  All devices on the ring must
-      hold equal-length shards.
-    axis_name: the mesh axis (or tuple of axes) the sequence is split over.
-    is_causal: top-left causal over the GLOBAL positions (needs T == S).
-    layout: ``"contiguous"`` (device r holds the r-th slice) or ``"zigzag"``
-      (device r holds chunks r and 2P-1-r; build it with :func:`to_zigzag`).
-      Zigzag balances causal work; for non-causal both are equally fast.
-    scale, softcap: as in :func:`jax_fa3.attention`.
-    query_seq_lengths, key_value_seq_lengths: optional GLOBAL ``int32[B]``
-      lengths (identical on every device of the ring).
-    implementation: None (kernel when supported, else the reference), "fa3"
-      or "reference".
-    return_lse: also return the global log-sum-exp ``f32 [B, N, T/P]``
-      (``+inf`` for rows that see no key; not differentiable).
-
-  Local windows are not supported (ValueError).
-  """
-  q, k, v = V.check_qkv(query, key, value)
-  B, T, N, H = q.shape
-  S = k.shape[1]
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  is_causal = V.check_is_causal(is_causal)
-  if is_causal and T != S:
-    raise ValueError("causal ring attention needs equal query and key/value "
-                     f"shard lengths, got {T} and {S}")
-  V.check_implementation(implementation, (None, "fa3", "reference"))
-  q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
-  kv_lens = V.check_seq_lengths(key_value_seq_lengths,
-                                "key_value_seq_lengths", B)
-  try:
-    n_dev = _axis_size(axis_name)
-  except (NameError, KeyError, ValueError) as e:
-    raise ValueError(f"ring_attention must run inside shard_map/pmap with "
-                     f"axis {axis_name!r} bound: {e}") from e
-  if layout == "zigzag" and (T % 2 or S % 2):
-    raise ValueError("zigzag layout needs even local sequence lengths, got "
-                     f"{T} (q) and {S} (kv)")
-  T_glob, S_glob = T * n_dev, S * n_dev
-  q_lens = (jnp.full((B,), T_glob, jnp.int32) if q_lens is None
-            else jnp.minimum(q_lens, T_glob))
-  kv_lens = (jnp.full((B,), S_glob, jnp.int32) if kv_lens is None
-             else jnp.minimum(kv_lens, S_glob))
-  attrs = (("scale", float(V.check_scale(scale, H))),
-           ("softcap", float(V.check_softcap(softcap))))
-  out, lse = _ring(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout,
-                   is_causal, attrs, implementation)
-  return (out, lse) if return_lse else out

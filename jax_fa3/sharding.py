@@ -1,8 +1,7 @@
-"""Sharding rules for the kernel calls (``jax.experimental.custom_partitioning``).
-
-``fa3_fwd`` / ``fa3_bwd`` below wrap :func:`primitives.fa3_fwd` /
-:func:`primitives.fa3_bwd` (the calls the ``custom_vjp`` makes) so that ``jit``
-over a mesh runs the kernel on local shards instead of gathering everything:
+"""Partitioning rules: each primitive of :mod:`jax_fa3.primitives` wrapped
+with ``jax.experimental.custom_partitioning`` (and ``custom_vmap``, which
+custom_partitioning lacks) so that ``jit`` over a mesh runs the kernels on
+local shards instead of gathering everything.
 
 * Shardy (the default partitioner): an einsum-like ``sharding_rule`` with the
   factors ``b`` (batch), ``t``/``s`` (query / key sequence), ``k`` (key/value
@@ -13,49 +12,60 @@ over a mesh runs the kernel on local shards instead of gathering everything:
   exactly those argument shardings (XLA reshards anything else -- a mismatch
   between the returned shardings and what the local call assumes would
   silently corrupt results, so every decision is made in one place,
-  :func:`_plan`).
+  :class:`Plan`).
 
 What is served locally:
 
-* batch: any mesh axes (q, k, v, lengths, out, lse all follow q's batch axes);
+* batch: any mesh axes (every operand and result follows q's batch axes);
 * heads: q's head axes when the key/value head count divides by their size
   (GQA: a shard holds whole groups, so head ``n`` still maps to kv head
   ``n // G`` locally); otherwise heads are replicated;
-* sequence: when q's sequence axis is sharded (over one mesh axis, or several
-  listed in mesh order) and the mask
-  is position-free or causal (no local window), ring attention runs inside the
-  partition
-  (:mod:`jax_fa3.ring`, contiguous layout: K/V rotate with ``ppermute``);
-  otherwise the sequence is replicated (K/V all-gathered);
+* sequence (16-bit attention only): when q's sequence axis is sharded (over
+  one mesh axis, or several listed in mesh order) and the mask is
+  position-free or causal (no local window), ring attention runs inside the
+  partition (:mod:`jax_fa3.ring`, contiguous layout: K/V rotate with
+  ``ppermute``); otherwise, and always for FP8 (its scales are per block of
+  the whole sequence), the sequence is replicated (gathered);
 * head_dim: always replicated.
 """
 from __future__ import annotations
 
 import functools
+import re
 from functools import partial
 
 import numpy as np
 import jax
-import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_fa3 import primitives, reference, ring
+from jax_fa3 import primitives, ring
 
-__all__ = ["fa3_fwd", "fa3_bwd", "fa3_attention"]
+__all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd"]
 
+# Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8).
 _FWD_RULE = "b t Q h, b s k h, b s k h, b, b -> b t Q h, b Q t"
 _BWD_RULE = ("b t Q h, b s k h, b s k h, b t Q h, b Q t, b t Q h, b, b "
              "-> b t Q h, b s k h, b s k h")
+_QUANT_RULE = ("b t Q h, b s k h, b s k h, h, f -> b t Q h, b s k h, V, "
+               "b Q x, b k y, b k y")
+_FP8_FWD_RULE = "b t Q h, b s k h, V, b Q x, b k y, b k y, b, b -> b t Q h, b Q t"
+_V_LAYOUT = {False: "b s k h", True: "b k h z"}
+_SEQ_FREE = ("h",)
+_SEQ_REPLICATED = ("h", "t", "s", "x", "y", "z", "f")
 
 
-def _rule(template, operand_types):
+def _rule(template, operand_types, replicated, v_transposed=False):
   """Query heads Q = (k g): kv heads major, GQA group minor.  Shardy rejects
   size-1 parts of a compound factor, so MQA (K = 1) and plain MHA (G = 1)
   spell Q as one factor."""
   n, kh = operand_types[0].shape[2], operand_types[1].shape[2]
-  extra = dict(need_replication_factors=("h",))
+  template = template.replace("V", _V_LAYOUT[v_transposed])
+  factors = list(dict.fromkeys(re.findall(r"[a-z]", template)))
+  # Shardy wants them in the order the factors first appear.
+  extra = dict(need_replication_factors=tuple(
+      f for f in factors if f in replicated))
   if kh == 1:
     return template.replace("Q", "n"), extra
   if n == kh:
@@ -85,11 +95,14 @@ def _size(mesh, axes):
   return n
 
 
-class _Plan:
-  """What the local kernel serves for a given q sharding (see module doc)."""
+class Plan:
+  """What the local kernel serves for a given q sharding (module doc).
+
+  ``ring``: whether a sharded sequence may stay sharded (the 16-bit calls
+  ring over it); for the others it is replicated."""
 
   def __init__(self, mesh, q_sharding, q_shape, kv_shape, window_left,
-               window_right):
+               window_right, ring=True):
     B, T, N, _ = q_shape
     S, K = kv_shape[1], kv_shape[2]
     if mesh.empty:
@@ -116,10 +129,10 @@ class _Plan:
     p = _size(mesh, t)
     # Several mesh axes ring only when listed in mesh order: for other
     # orders the ring's device order inside the partition did not match the
-    # shard order in testing (wrong answers), so those are resharded.
+    # shard order (wrong answers), so those are resharded.
     in_mesh_order = list(t) == [a for a in mesh.axis_names if a in t]
-    ring_ok = (in_mesh_order and window_left < 0 and window_right in (-1, 0)
-               and p > 1
+    ring_ok = (ring and in_mesh_order and window_left < 0
+               and window_right in (-1, 0) and p > 1
                and T % p == 0 and S % p == 0 and (window_right < 0 or T == S))
     self.t = take(t, ring_ok)
     self.p = _size(mesh, self.t)
@@ -142,193 +155,218 @@ class _Plan:
     return self.ns(_entry(self.b))
 
   @property
+  def heads_major(self):
+    """``[B, heads, ...]`` operands: FP8 scales, V^T."""
+    return self.ns(_entry(self.b), _entry(self.n))
+
+  @property
+  def replicated(self):
+    return self.ns()
+
+  @property
   def axis(self):
     return self.t[0] if len(self.t) == 1 else self.t
 
 
-def _attrs(scale, softcap, window_left, window_right):
-  return dict(scale=scale, softcap=softcap, window_left=window_left,
-              window_right=window_right)
+def _plan(arg_shapes, mesh, window_left=-1, window_right=-1, ring=True):
+  return Plan(mesh, arg_shapes[0].sharding, arg_shapes[0].shape,
+              arg_shapes[1].shape, window_left, window_right, ring)
 
 
-_KERNELS = (primitives.fa3_fwd, primitives.fa3_bwd)
+# ------------------------------------------------------------ 16-bit calls
+def _fwd_local(plan, scale, softcap, window_left, window_right):
+  def lower(q, k, v, q_lens, kv_lens):
+    if plan.p > 1:
+      return ring.ring_fwd(q, k, v, q_lens, kv_lens, plan.axis, plan.p,
+                           "contiguous", window_right == 0,
+                           dict(scale=scale, softcap=softcap),
+                           (primitives.fa3_fwd, primitives.fa3_bwd))
+    return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale,
+                              softcap=softcap, window_left=window_left,
+                              window_right=window_right)
+  return lower
 
 
-# ------------------------------------------------------------------ forward
+def _bwd_local(plan, scale, softcap, window_left, window_right,
+               deterministic):
+  bwd = partial(primitives.fa3_bwd, deterministic=deterministic)
+
+  def lower(q, k, v, out, lse, dout, q_lens, kv_lens):
+    if plan.p > 1:
+      return ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
+                           plan.axis, plan.p, "contiguous", window_right == 0,
+                           dict(scale=scale, softcap=softcap),
+                           (primitives.fa3_fwd, bwd))
+    return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, scale=scale,
+               softcap=softcap, window_left=window_left,
+               window_right=window_right)
+  return lower
+
+
 def _fwd_impl(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
               window_right):
-  return primitives.fa3_fwd(q, k, v, q_lens, kv_lens,
-                            **_attrs(scale, softcap, window_left,
-                                     window_right))
-
-
-_fwd_cp = custom_partitioning(_fwd_impl, static_argnums=(5, 6, 7, 8))
-
-
-def _fwd_plan(window_left, window_right, mesh, arg_shapes):
-  return _Plan(mesh, arg_shapes[0].sharding, arg_shapes[0].shape,
-               arg_shapes[1].shape, window_left, window_right)
-
-
-def _fwd_infer(scale, softcap, window_left, window_right, mesh, arg_shapes,
-               result_shape):
-  del scale, softcap, result_shape
-  plan = _fwd_plan(window_left, window_right, mesh, arg_shapes)
-  return (plan.q, plan.lse)
+  return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale,
+                            softcap=softcap, window_left=window_left,
+                            window_right=window_right)
 
 
 def _fwd_partition(scale, softcap, window_left, window_right, mesh,
                    arg_shapes, result_shape):
-  del result_shape
-  plan = _fwd_plan(window_left, window_right, mesh, arg_shapes)
-  attrs = _attrs(scale, softcap, window_left, window_right)
-
-  def lower(q, k, v, q_lens, kv_lens):
-    if plan.p > 1:
-      return ring._ring_fwd(q, k, v, q_lens, kv_lens, plan.axis, plan.p,
-                            "contiguous", window_right == 0,
-                            dict(scale=scale, softcap=softcap), _KERNELS)
-    return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, **attrs)
-
-  args = (plan.q, plan.kv, plan.kv, plan.lens, plan.lens)
-  return plan.mesh, lower, (plan.q, plan.lse), args
+  plan = _plan(arg_shapes, mesh, window_left, window_right)
+  return (plan.mesh, _fwd_local(plan, scale, softcap, window_left,
+                                window_right),
+          (plan.q, plan.lse), (plan.q, plan.kv, plan.kv, plan.lens, plan.lens))
 
 
-def _fwd_rule(scale, softcap, window_left, window_right, mesh, operand_types,
-              result_types):
-  del scale, softcap, window_left, window_right, mesh, result_types
-  return _rule(_FWD_RULE, operand_types)
-
-
-_fwd_cp.def_partition(partition=_fwd_partition,
-                      infer_sharding_from_operands=_fwd_infer,
-                      sharding_rule=_fwd_rule)
-
-
-# ----------------------------------------------------------------- backward
 def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, scale, softcap,
               window_left, window_right, deterministic):
   return primitives.fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                            **_attrs(scale, softcap, window_left,
-                                     window_right),
+                            scale=scale, softcap=softcap,
+                            window_left=window_left,
+                            window_right=window_right,
                             deterministic=deterministic)
-
-
-_bwd_cp = custom_partitioning(_bwd_impl, static_argnums=(8, 9, 10, 11, 12))
-
-
-def _bwd_infer(scale, softcap, window_left, window_right, deterministic, mesh,
-               arg_shapes, result_shape):
-  del scale, softcap, deterministic, result_shape
-  plan = _fwd_plan(window_left, window_right, mesh, arg_shapes)
-  return (plan.q, plan.kv, plan.kv)
 
 
 def _bwd_partition(scale, softcap, window_left, window_right, deterministic,
                    mesh, arg_shapes, result_shape):
-  del result_shape
-  plan = _fwd_plan(window_left, window_right, mesh, arg_shapes)
-  attrs = _attrs(scale, softcap, window_left, window_right)
-  kernels = (primitives.fa3_fwd,
-             partial(primitives.fa3_bwd, deterministic=deterministic))
-
-  def lower(q, k, v, out, lse, dout, q_lens, kv_lens):
-    if plan.p > 1:
-      return ring._ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                            plan.axis, plan.p, "contiguous",
-                            window_right == 0,
-                            dict(scale=scale, softcap=softcap), kernels)
-    return primitives.fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                              **attrs, deterministic=deterministic)
-
-  args = (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q, plan.lens,
-          plan.lens)
-  return plan.mesh, lower, (plan.q, plan.kv, plan.kv), args
+  plan = _plan(arg_shapes, mesh, window_left, window_right)
+  return (plan.mesh, _bwd_local(plan, scale, softcap, window_left,
+                                window_right, deterministic),
+          (plan.q, plan.kv, plan.kv),
+          (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q, plan.lens,
+           plan.lens))
 
 
-def _bwd_rule(scale, softcap, window_left, window_right, deterministic, mesh,
-              operand_types, result_types):
-  del scale, softcap, window_left, window_right, deterministic, mesh
-  del result_types
-  return _rule(_BWD_RULE, operand_types)
+# --------------------------------------------------------------- FP8 calls
+def _quant_impl(q, k, v, signs, fixed, block_q, block_kv, hadamard,
+                v_transposed):
+  return primitives.fp8_quantize(q, k, v, signs, fixed, block_q=block_q,
+                                 block_kv=block_kv, hadamard=hadamard,
+                                 v_transposed=v_transposed)
 
 
-_bwd_cp.def_partition(partition=_bwd_partition,
-                      infer_sharding_from_operands=_bwd_infer,
-                      sharding_rule=_bwd_rule)
+def _quant_shardings(plan, v_transposed):
+  v8 = plan.heads_major if v_transposed else plan.kv
+  return (plan.q, plan.kv, v8, plan.heads_major, plan.heads_major,
+          plan.heads_major)
 
 
-# ------------------------------------------------------------------ vmap
-# custom_partitioning has no batching rule; fold a vmapped axis into the
-# batch dimension (as the primitives' own batching rule does) and call again.
-@functools.lru_cache(maxsize=None)
-def _batchable(cp_fn, static):
-  @custom_vmap
-  def call(*args):
-    return tuple(cp_fn(*args, *static))
+def _quant_partition(block_q, block_kv, hadamard, v_transposed, mesh,
+                     arg_shapes, result_shape):
+  plan = _plan(arg_shapes, mesh, ring=False)
+  local = partial(_quant_impl, block_q=block_q, block_kv=block_kv,
+                  hadamard=hadamard, v_transposed=v_transposed)
+  return (plan.mesh, local, _quant_shardings(plan, v_transposed),
+          (plan.q, plan.kv, plan.kv, plan.replicated, plan.replicated))
 
-  @call.def_vmap
-  def _rule(axis_size, in_batched, *args):
-    folded = []
-    for a, b in zip(args, in_batched):
-      if not b:
-        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
-      folded.append(a.reshape((axis_size * a.shape[1],) + a.shape[2:]))
-    outs = call(*folded)
-    return (tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:])
-                  for o in outs), (True,) * len(outs))
-  return call
+
+def _fp8_fwd_impl(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale,
+                  window_left, window_right, out_dtype, v_transposed):
+  return primitives.fp8_fwd(q8, k8, v8, qs, ks, vs, q_lens, kv_lens,
+                            scale=scale, window_left=window_left,
+                            window_right=window_right, out_dtype=out_dtype,
+                            v_transposed=v_transposed)
+
+
+def _fp8_fwd_partition(scale, window_left, window_right, out_dtype,
+                       v_transposed, mesh, arg_shapes, result_shape):
+  plan = _plan(arg_shapes, mesh, ring=False)
+  local = partial(_fp8_fwd_impl, scale=scale, window_left=window_left,
+                  window_right=window_right, out_dtype=out_dtype,
+                  v_transposed=v_transposed)
+  v8 = plan.heads_major if v_transposed else plan.kv
+  hm = plan.heads_major
+  return (plan.mesh, local, (plan.q, plan.lse),
+          (plan.q, plan.kv, v8, hm, hm, hm, plan.lens, plan.lens))
+
+
+# ------------------------------------------------------------ registration
+def _partitioned(impl, n_static, partition, outs_of_plan, rule, plan_kw,
+                 n_per_batch=None):
+  """custom_partitioning(impl) with ``partition``, and the matching
+  infer/rule callbacks; returns ``call(*arrays, *static)`` that also
+  vmaps (by :func:`primitives.fold_vmap`)."""
+  n_args = impl.__code__.co_argcount - n_static
+  cp = custom_partitioning(impl, static_argnums=tuple(
+      range(n_args, n_args + n_static)))
+
+  def infer(*a):
+    static, (mesh, arg_shapes, _) = a[:n_static], a[n_static:]
+    return outs_of_plan(_plan(arg_shapes, mesh, **plan_kw(*static)), *static)
+
+  def sharding_rule(*a):
+    static, (mesh, operand_types, _) = a[:n_static], a[n_static:]
+    return rule(operand_types, *static)
+
+  cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=sharding_rule)
+
+  @functools.lru_cache(maxsize=None)
+  def batchable(static):
+    @custom_vmap
+    def call(*args):
+      return tuple(cp(*args, *static))
+
+    @call.def_vmap
+    def _vmap(axis_size, in_batched, *args):
+      outs = primitives.fold_vmap(call, axis_size, args, in_batched,
+                                  n_per_batch)
+      return outs, (True,) * len(outs)
+    return call
+
+  return lambda *args, static: batchable(tuple(static))(*args)
+
+
+_fwd = _partitioned(
+    _fwd_impl, 4, _fwd_partition,
+    lambda plan, *s: (plan.q, plan.lse),
+    lambda ops, *s: _rule(_FWD_RULE, ops, _SEQ_FREE),
+    lambda scale, softcap, wl, wr: dict(window_left=wl, window_right=wr))
+_bwd = _partitioned(
+    _bwd_impl, 5, _bwd_partition,
+    lambda plan, *s: (plan.q, plan.kv, plan.kv),
+    lambda ops, *s: _rule(_BWD_RULE, ops, _SEQ_FREE),
+    lambda scale, softcap, wl, wr, det: dict(window_left=wl,
+                                             window_right=wr))
+_quant = _partitioned(
+    _quant_impl, 4, _quant_partition,
+    lambda plan, bq, bkv, had, vt: _quant_shardings(plan, vt),
+    lambda ops, bq, bkv, had, vt: _rule(_QUANT_RULE, ops, _SEQ_REPLICATED,
+                                        vt),
+    lambda *s: dict(ring=False), n_per_batch=3)
+_fp8 = _partitioned(
+    _fp8_fwd_impl, 5, _fp8_fwd_partition,
+    lambda plan, *s: (plan.q, plan.lse),
+    lambda ops, scale, wl, wr, dt, vt: _rule(_FP8_FWD_RULE, ops,
+                                             _SEQ_REPLICATED, vt),
+    lambda *s: dict(ring=False))
 
 
 def fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
             window_right):
-  """Partitioned ``primitives.fa3_fwd`` -> ``(out, lse)``."""
-  static = (float(scale), float(softcap), int(window_left), int(window_right))
-  return _batchable(_fwd_cp, static)(q, k, v, q_lens, kv_lens)
+  """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``."""
+  return _fwd(q, k, v, q_lens, kv_lens, static=(
+      float(scale), float(softcap), int(window_left), int(window_right)))
 
 
 def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, scale, softcap,
             window_left, window_right, deterministic=False):
-  """Partitioned ``primitives.fa3_bwd`` -> ``(dq, dk, dv)``."""
-  static = (float(scale), float(softcap), int(window_left), int(window_right),
-            bool(deterministic))
-  return _batchable(_bwd_cp, static)(q, k, v, out, lse, dout, q_lens, kv_lens)
+  """Partitioned :func:`primitives.fa3_bwd` -> ``(dq, dk, dv)``."""
+  return _bwd(q, k, v, out, lse, dout, q_lens, kv_lens, static=(
+      float(scale), float(softcap), int(window_left), int(window_right),
+      bool(deterministic)))
 
 
-# ---------------------------------------------------------------- custom_vjp
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def fa3_attention(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-                  window_right, deterministic=False):
-  """Like :func:`primitives.fa3_attention`, through the partitioned calls."""
-  return _typed(fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap,
-                        window_left, window_right), q, k, v, q_lens, kv_lens)
+def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
+                 v_transposed):
+  """Partitioned :func:`primitives.fp8_quantize`."""
+  return _quant(q, k, v, signs, fixed, static=(
+      int(block_q), int(block_kv), bool(hadamard), bool(v_transposed)))
 
 
-def _typed(outs, *refs):
-  # The primitives' abstract eval drops shard_map's varying-axes type; restore
-  # it so check_vma=True (the shard_map default) accepts the results and the
-  # custom_vjp's cotangent types.
-  return reference._varying_like(outs, *refs)
-
-
-def _vjp_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-             window_right, deterministic=False):
-  out, lse = _typed(fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap,
-                            window_left, window_right), q, k, v, q_lens,
-                    kv_lens)
-  return (out, lse), (q, k, v, out, lse, q_lens, kv_lens)
-
-
-def _vjp_bwd(scale, softcap, window_left, window_right, deterministic, res,
-             cts):
-  q, k, v, out, lse, q_lens, kv_lens = res
-  dout, _ = cts
-  dq, dk, dv = fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype), q_lens,
-                       kv_lens, scale, softcap, window_left, window_right,
-                       deterministic)
-  dq, dk, dv = (reference._varying_like(g, x)
-                for g, x in ((dq, q), (dk, k), (dv, v)))
-  return dq, dk, dv, None, None
-
-
-fa3_attention.defvjp(_vjp_fwd, _vjp_bwd)
+def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *, scale,
+            window_left, window_right, out_dtype, v_transposed):
+  """Partitioned :func:`primitives.fp8_fwd` -> ``(out, lse)``."""
+  return _fp8(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, static=(
+      float(scale), int(window_left), int(window_right), np.dtype(out_dtype),
+      bool(v_transposed)))

@@ -1,4 +1,4 @@
-"""CPU tests of the Python side of the backward kernel (issue 4): the
+"""CPU tests of the Python side of the backward kernel: the
 ``deterministic`` keyword and the per-configuration choice between the
 ``jax_fa3_bwd`` custom call and the reference backward, checked on the CUDA
 lowering (exported for platform "cuda" without a GPU)."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_fa3
-from jax_fa3 import _native, primitives as P
+from jax_fa3 import _native, core, primitives as P
 
 _CHECKS = [jax.export.DisabledSafetyCheck.custom_call(t)
            for t in (P.FWD_TARGET, P.BWD_TARGET)]
@@ -23,8 +23,8 @@ def _cuda_grad_module(dtype, hd, T=100, deterministic=False):
   kl = jnp.array([80, 7], jnp.int32)
 
   def loss(q, k, v):
-    out, _ = P.fa3_attention(q, k, v, lens, kl, 0.125, 0.0, -1, 0,
-                             deterministic)
+    cfg = core.Config(0.125, 0.0, -1, 0, deterministic, kernel=True)
+    out, _ = core.attention(q, k, v, lens, kl, None, None, cfg)
     return out.astype(jnp.float32).sum()
   g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   return jax.export.export(g, platforms=["cuda"], disabled_checks=_CHECKS)(
@@ -56,7 +56,7 @@ def test_cuda_lowering_falls_back_per_config(monkeypatch):
                       frozenset({("bfloat16", 128)}))
   assert not _bwd_calls(_cuda_grad_module(jnp.float16, 128))
   assert not _bwd_calls(_cuda_grad_module(jnp.bfloat16, 256, T=40))
-  monkeypatch.setattr(P, "_BWD_KERNEL", False)
+  monkeypatch.setattr(_native, "_BWD_CONFIGS", frozenset())
   assert not _bwd_calls(_cuda_grad_module(jnp.bfloat16, 128))
 
 

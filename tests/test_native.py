@@ -5,19 +5,30 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+
 import jax_fa3
 from jax_fa3 import _native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(code, quiet, only_local=True):
-  # only_local: ignore a binding installed elsewhere (site-packages), so the
-  # "not built" behaviour is tested whatever this machine has installed.
+# Makes the binding unimportable in a subprocess, wherever it is installed
+# (this checkout, site-packages): the "not built" case on any machine.
+NO_BINDING = """
+import sys, importlib.abc, importlib.machinery
+class _NoBinding(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name == "jax_fa3._jax_fa3":
+      raise ImportError("no binding", name=name)
+sys.meta_path.insert(0, _NoBinding())
+importlib.machinery.EXTENSION_SUFFIXES[:] = []
+"""
+
+
+def _run(code, quiet):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
              os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-  if only_local:
-    env["JAX_FA3_ONLY_LOCAL_BINDING"] = "1"
   env.pop("JAX_FA3_QUIET", None)
   if quiet:
     env["JAX_FA3_QUIET"] = "1"
@@ -28,15 +39,22 @@ def _run(code, quiet, only_local=True):
   return r
 
 
-def test_cpu_queries():
+def test_queries_match_this_machine():
   # The binding may or may not be installed here (CI installs it, a source
-  # checkout alone has none); either way a CPU-only jax cannot use it.
+  # checkout alone has none), and there may be an H100/H200 or not.
   if _native.available():
     assert ("bfloat16", 128) in _native.compiled_configs()
     assert _native.compiled_bwd_configs() <= _native.compiled_configs()
   else:
     assert _native.compiled_configs() == frozenset()
-  assert _native.sm90_gpu_present() is False
+    assert _native.compiled_bwd_configs() == frozenset()
+    assert _native.compiled_fp8_configs() == frozenset()
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    gpus = []
+  sm90 = any(getattr(d, "compute_capability", "") == "9.0" for d in gpus)
+  assert _native.sm90_gpu_present() is sm90
   assert jax_fa3.kernels_available() is _native.available()
 
 
@@ -51,17 +69,17 @@ def test_installed_binding_found_from_source_checkout():
       else:
         print("no binding installed")
   """
-  r = _run(code, quiet=True, only_local=False)
+  r = _run(code, quiet=True)
   out = r.stdout.strip().splitlines()[-1]
   assert out.startswith(("binding from", "no binding installed")), r.stdout + r.stderr
 
 
 def test_missing_extension_warns_once_unless_quiet():
-  code = """
-      import importlib, jax_fa3, jax_fa3._native
-      importlib.import_module("jax_fa3")
-      assert not jax_fa3.kernels_available()
-  """
+  code = NO_BINDING + """
+import importlib, jax_fa3, jax_fa3._native
+importlib.import_module("jax_fa3")
+assert not jax_fa3.kernels_available()
+"""
   r = _run(code, quiet=False)
   assert r.stderr.count("kernels were not built") == 1, r.stderr
   assert "circular" not in r.stderr
@@ -80,6 +98,8 @@ def test_present_extension_registers_ffi_targets():
       caps = {"jax_fa3_fwd": object(), "jax_fa3_bwd": object()}
       fake.registrations = lambda: caps
       fake.compiled_configs = lambda: [("bfloat16", 128), ("float16", 128)]
+      fake.compiled_bwd_configs = lambda: [("bfloat16", 128)]
+      fake.compiled_fp8_configs = lambda: [("bfloat16", 128)]
       sys.modules["jax_fa3._jax_fa3"] = fake
       with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -88,6 +108,8 @@ def test_present_extension_registers_ffi_targets():
       assert jax_fa3.kernels_available() and _native.available()
       assert _native.compiled_configs() == frozenset(
           {("bfloat16", 128), ("float16", 128)})
+      assert _native.compiled_bwd_configs() == frozenset({("bfloat16", 128)})
+      assert _native.compiled_fp8_configs() == frozenset({("bfloat16", 128)})
       got = sorted((a[0], a[1] is caps[a[0]], k.get("platform")) for a, k in calls)
       assert got == [("jax_fa3_bwd", True, "CUDA"), ("jax_fa3_fwd", True, "CUDA")], got
       assert all(len(a) == 2 and set(k) == {"platform"} for a, k in calls)

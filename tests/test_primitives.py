@@ -1,5 +1,5 @@
-"""The fa3_fwd / fa3_bwd primitives on CPU (where they lower to the reference):
-abstract eval, jit, vmap (batching rules), grad (custom_vjp), CUDA lowering."""
+"""The kernel primitives on CPU (where they lower to the reference): abstract
+eval, jit, vmap (batching rules), grad (the core's custom_vjp), CUDA lowering."""
 import re
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_fa3 import primitives as P, reference as R
+from jax_fa3 import core, primitives as P, reference as R
 from _fa3_testutil import close, nn_attention, rand
 
 B, T, S, N, K, H = 2, 9, 13, 4, 2, 8
@@ -19,9 +19,8 @@ def _lens(b=B, t=T, s=S):
 
 
 def _attn(q, k, v, ql, kl, **over):
-  a = dict(ATTRS, **over)
-  return P.fa3_attention(q, k, v, ql, kl, a["scale"], a["softcap"],
-                         a["window_left"], a["window_right"])
+  cfg = core.Config(**dict(ATTRS, **over), kernel=True)
+  return core.attention(q, k, v, ql, kl, None, None, cfg)
 
 
 def test_abstract_eval_shapes():

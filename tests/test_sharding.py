@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from _fa3_testutil import close  # noqa: F401  (sets the CPU test XLA flags)
 from _gpu_ref import assert_fa3_tolerance
 import jax_fa3
-from jax_fa3 import primitives, reference, ring, sharding
+from jax_fa3 import _native, core, primitives, ring, sharding
 
 CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(
@@ -24,6 +24,13 @@ pytestmark = pytest.mark.skipif(
 
 B, T, N, H = 2, 32, 4, 8
 TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _kernel_attention(q, k, v, q_lens, kv_lens, scale, softcap, wl, wr):
+  """The kernel path of the core (on CPU its primitives lower to the
+  reference), partitioned under a sharded jit."""
+  cfg = core.Config(scale, softcap, wl, wr, kernel=True)
+  return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)
 
 
 def _mesh(shape, names):
@@ -85,19 +92,19 @@ def _run_layout(qs, kvs, K, S, causal, wl, softcap, seed=0):
     return lambda q, k, v: jnp.sum(fwd(impl)(q, k, v)[0] * w)
 
   with jax.default_device(CPUS[0]):
-    ref_o, ref_l = jax.jit(fwd(primitives.fa3_attention))(q, k, v)
-    ref_g = jax.jit(jax.grad(loss(primitives.fa3_attention),
+    ref_o, ref_l = jax.jit(fwd(_kernel_attention))(q, k, v)
+    ref_g = jax.jit(jax.grad(loss(_kernel_attention),
                              argnums=(0, 1, 2)))(q, k, v)
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   qq, kk, vv = put(q, qs), put(k, kvs), put(v, kvs)
-  o, l = jax.jit(fwd(sharding.fa3_attention))(qq, kk, vv)
-  g = jax.jit(jax.grad(loss(sharding.fa3_attention),
+  o, l = jax.jit(fwd(_kernel_attention))(qq, kk, vv)
+  g = jax.jit(jax.grad(loss(_kernel_attention),
                        argnums=(0, 1, 2)))(qq, kk, vv)
   np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), **TOL)
   _check_lse(l, ref_l)
   for a, b in zip(g, ref_g):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
-  return jax.jit(fwd(sharding.fa3_attention)).lower(qq, kk, vv).as_text()
+  return jax.jit(fwd(_kernel_attention)).lower(qq, kk, vv).as_text()
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[c[0] for c in LAYOUTS])
@@ -122,7 +129,7 @@ def test_partitioned_equals_unsharded_gspmd(case):
 def test_plan_serves_batch_heads_and_ring_locally():
   """The plan keeps what the kernel can serve (no gather of q's shards)."""
   mesh = _mesh((2, 2, 2), M3)
-  mk = lambda spec, K=2, wl=-1, wr=0: sharding._Plan(
+  mk = lambda spec, K=2, wl=-1, wr=0: sharding.Plan(
       mesh, NamedSharding(mesh, spec), (B, T, N, H), (B, T, K, H), wl, wr)
   p = mk(P("d", "s", "t"))
   assert (p.b, p.t, p.n, p.p) == (("d",), ("s",), ("t",), 2)
@@ -139,10 +146,12 @@ def test_vmap_through_partitioned_call():
   qb, kb, vb = (jnp.stack([x, x[::-1]]) for x in (q, k, v))
   f = lambda impl: (lambda q, k, v: impl(q, k, v, ql, kl, 0.3, 0.0, -1, 0)[0])
   with jax.default_device(CPUS[0]):
-    a = jax.vmap(f(sharding.fa3_attention))(qb, kb, vb)
-    b = jax.vmap(f(primitives.fa3_attention))(qb, kb, vb)
-    ga = jax.vmap(jax.grad(lambda q: f(sharding.fa3_attention)(q, k, v).sum()))(qb)
-    gb = jax.vmap(jax.grad(lambda q: f(primitives.fa3_attention)(q, k, v).sum()))(qb)
+    fn = f(_kernel_attention)
+    a = jax.vmap(fn)(qb, kb, vb)
+    b = jnp.stack([fn(qb[i], kb[i], vb[i]) for i in range(2)])
+    grad = jax.grad(lambda q: fn(q, k, v).sum())
+    ga = jax.vmap(grad)(qb)
+    gb = jnp.stack([grad(qb[i]) for i in range(2)])
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
   np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), **TOL)
 
@@ -157,7 +166,7 @@ def test_attention_per_shard_in_shard_map():
 
   def per_shard(q, k, v):
     a = jax_fa3.attention(q, k, v, is_causal=True)
-    b, _ = sharding.fa3_attention(q, k, v, jnp.full((1,), T, jnp.int32),
+    b, _ = _kernel_attention(q, k, v, jnp.full((1,), T, jnp.int32),
                                   jnp.full((1,), T, jnp.int32),
                                   1 / np.sqrt(H), 0.0, -1, 0)
     return a, b
@@ -263,6 +272,90 @@ def test_ring_attention_errors():
     jax_fa3.ring_attention(q, q, q, axis_name="sp")
 
 
+# --------------------------------------------------------------------- FP8
+@pytest.fixture
+def fp8_kernels(monkeypatch):
+  """_native reporting bf16 d64 kernels (16-bit and FP8) and an sm_90 GPU,
+  so precision="fp8" takes the kernel path (the partitioned primitives);
+  on CPU devices those lower to the reference and the FP8 emulation."""
+  cfg = frozenset({("bfloat16", 64)})
+  monkeypatch.setattr(_native, "_jax_fa3", _native._jax_fa3 or object())
+  for name in ("_CONFIGS", "_BWD_CONFIGS", "_FP8_CONFIGS"):
+    monkeypatch.setattr(_native, name, cfg)
+  monkeypatch.setattr(_native, "_SM90", True)
+
+
+FP8_SPECS = [("batch", P("d")), ("heads", P(None, None, ("t", "s"))),
+             ("batch_heads", P("d", None, "t"))]
+
+
+def _fp8_inputs():
+  q, k, v, *_ = _inputs(7, K=4, S=256, dtype=jnp.bfloat16)
+  q = jnp.concatenate([q] * 8, axis=1)  # T = 256: two query scale blocks
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, 64 - H)))
+  return pad(q), pad(k), pad(v)
+
+
+def _fp8_attention(q, k, v):
+  return jax_fa3.attention(q, k, v, precision="fp8", is_causal=True)
+
+
+@pytest.mark.parametrize("case", FP8_SPECS, ids=[c[0] for c in FP8_SPECS])
+def test_fp8_kernel_path_keeps_batch_and_head_sharding(fp8_kernels, case):
+  mesh = _mesh((2, 2, 2), M3)
+  q, k, v = _fp8_inputs()
+  with jax.default_device(CPUS[0]):
+    want = jax.jit(_fp8_attention)(q, k, v)
+  xs = [jax.device_put(x, NamedSharding(mesh, case[1])) for x in (q, k, v)]
+  # For CUDA: both FP8 kernels sit behind their partitioning rule.
+  cuda = jax.jit(_fp8_attention).trace(*xs).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert cuda.count("@CustomSPMDPartitioning") == 2, cuda
+  assert "jax_fa3_fp8" not in cuda  # no bare (unpartitioned) kernel call
+  # On CPU (the same partitioning, emulated kernels): no gather of Q/K/V.
+  compiled = jax.jit(_fp8_attention).lower(*xs).compile()
+  hlo = compiled.as_text()
+  assert "all-gather" not in hlo, [l for l in hlo.splitlines()
+                                   if "all-gather" in l][:4]
+  got = compiled(*xs)
+  assert got.sharding.spec == NamedSharding(mesh, case[1]).spec
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want, np.float32))
+
+
+def test_fp8_kernel_path_sequence_sharded_is_gathered(fp8_kernels):
+  mesh = _mesh((2, 2, 2), M3)
+  q, k, v = _fp8_inputs()
+  with jax.default_device(CPUS[0]):
+    want = jax.jit(_fp8_attention)(q, k, v)
+    g_want = jax.jit(jax.grad(lambda q: jnp.sum(
+        _fp8_attention(q, k, v).astype(jnp.float32))))(q)
+  xs = [jax.device_put(x, NamedSharding(mesh, P("d", "s"))) for x in (q, k, v)]
+  got = jax.jit(_fp8_attention)(*xs)
+  g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+      _fp8_attention(q, k, v).astype(jnp.float32))))(*xs)
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want, np.float32))
+  np.testing.assert_allclose(np.asarray(g, np.float32),
+                             np.asarray(g_want, np.float32), rtol=2e-2,
+                             atol=2e-2)
+
+
+@pytest.mark.parametrize("case", FP8_SPECS, ids=[c[0] for c in FP8_SPECS])
+def test_fp8_reference_sharded_equals_unsharded(case):
+  mesh = _mesh((2, 2, 2), M3)
+  q, k, v = _fp8_inputs()
+  f = lambda q, k, v: jax_fa3.attention(q, k, v, precision="fp8",
+                                        implementation="reference")
+  with jax.default_device(CPUS[0]):
+    want = jax.jit(f)(q, k, v)
+  xs = [jax.device_put(x, NamedSharding(mesh, case[1])) for x in (q, k, v)]
+  got = jax.jit(f)(*xs)
+  np.testing.assert_allclose(np.asarray(got, np.float32),
+                             np.asarray(want, np.float32), rtol=1e-2,
+                             atol=1e-2)
+
+
 # ------------------------------------------------------ Flax training step
 flax = pytest.importorskip("flax")
 
@@ -353,7 +446,8 @@ def test_gpu_partitioned_call_single_device():
     q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, 64 - H)))
                for x in (q, k, v))
     f = lambda impl: jax.jit(lambda *a: impl(*a, ql, kl, 0.3, 0.0, -1, 0))
-    a = f(sharding.fa3_attention)(q, k, v)
-    b = f(primitives.fa3_attention)(q, k, v)
+    a = f(_kernel_attention)(q, k, v)
+    b = jax.jit(lambda *a: primitives.fa3_fwd(
+        *a, ql, kl, scale=0.3, window_right=0))(q, k, v)
   np.testing.assert_array_equal(np.asarray(a[0], np.float32),
                                 np.asarray(b[0], np.float32))

@@ -1,0 +1,155 @@
+"""The attention core: the one ``custom_vjp`` every entry point goes through.
+
+:class:`Config` (static, hashable) says what runs: the 16-bit kernels
+(partitioned calls of :mod:`jax_fa3.sharding`) or the blockwise reference
+(the only path for ``bias`` / ``mask``); optionally FP8 for the forward, or
+a ring over a ``shard_map`` axis (:mod:`jax_fa3.ring`).
+The backward is always the 16-bit one: for FP8 it is straight-through,
+evaluated at the unquantized inputs (the 16-bit forward is recomputed there
+for its ``out`` / ``lse``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa3 import fp8, primitives, reference, ring, sharding
+
+__all__ = ["Config", "FP8Config", "RingConfig", "attention", "BLOCK_K"]
+
+BLOCK_K = 512  # key block of the reference's online softmax
+
+@dataclasses.dataclass(frozen=True)
+class FP8Config:
+  block_scales: bool
+  hadamard: bool
+  seed: int
+  kernel: bool  # the FP8 kernels (else the emulation)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+  """Ring attention inside ``shard_map``: the sequence is split over
+  ``axis_name`` (``n_dev`` devices) in ``layout``."""
+  axis_name: object
+  n_dev: int
+  layout: str
+  causal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  scale: float
+  softcap: float
+  window_left: int
+  window_right: int
+  deterministic: bool = False
+  kernel: bool = False  # the 16-bit kernels (else the reference)
+  # Why implementation='fa3' cannot have the 16-bit kernel: raised where it
+  # is needed (FP8 needs it only for the gradient).
+  kernel_error: str | None = None
+  fp8: FP8Config | None = None
+  ring: RingConfig | None = None
+  block_k: int = BLOCK_K
+
+  @property
+  def attrs(self):
+    return dict(scale=self.scale, softcap=self.softcap,
+                window_left=self.window_left, window_right=self.window_right)
+
+
+def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config):
+  """Validated 4-D inputs -> ``(out [B,T,N,H], lse f32 [B,N,T])``.
+
+  ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
+  gradient (reference path), the lengths and ``mask`` do not."""
+  B, T = q.shape[:2]
+  S = k.shape[1]
+  if q_lens is None:
+    q_lens = jnp.full((B,), T, jnp.int32)
+  if kv_lens is None:
+    kv_lens = jnp.full((B,), S, jnp.int32)
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+
+
+def _local_fns(cfg):
+  """The (fwd, bwd) each ring step calls."""
+  if cfg.kernel:
+    return (primitives.fa3_fwd, partial(primitives.fa3_bwd,
+                                        deterministic=cfg.deterministic))
+  return reference.attention_fwd, reference.attention_bwd
+
+
+def _ring_args(cfg):
+  r = cfg.ring
+  return (r.axis_name, r.n_dev, r.layout, r.causal,
+          dict(scale=cfg.scale, softcap=cfg.softcap), _local_fns(cfg))
+
+
+def _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg):
+  if cfg.kernel_error is not None:
+    raise ValueError(f"implementation='fa3' is not possible: "
+                     f"{cfg.kernel_error}")
+  if cfg.ring is not None:
+    return ring.ring_fwd(q, k, v, q_lens, kv_lens, *_ring_args(cfg))
+  if cfg.kernel:
+    # The primitives' abstract eval drops shard_map's varying-axes type;
+    # restore it so check_vma=True accepts results and cotangent types.
+    return reference.varying_like(sharding.fa3_fwd(
+        q, k, v, q_lens, kv_lens, **cfg.attrs), q, k, v, q_lens, kv_lens)
+  return reference.attention_fwd(q, k, v, q_lens, kv_lens, bias=bias,
+                                 mask=mask, block_k=cfg.block_k, **cfg.attrs)
+
+
+def _forward_fp8(q, k, v, q_lens, kv_lens, cfg):
+  f = cfg.fp8
+  # The kernel path has the pre-pass write V^T (fp8 module docstring).
+  q8, k8, v8, qs, ks, vs = fp8.quantize_qkv(
+      q, k, v, block_scales=f.block_scales, hadamard=f.hadamard, seed=f.seed,
+      use_kernel=f.kernel, v_transposed=f.kernel)
+  return fp8.attention_quantized(
+      q8, k8, v8, qs, ks, vs, q_lens, kv_lens, cfg.scale, cfg.window_left,
+      cfg.window_right, q.dtype, "fa3" if f.kernel else "reference",
+      v_transposed=f.kernel)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg):
+  if cfg.fp8 is not None:
+    return _forward_fp8(q, k, v, q_lens, kv_lens, cfg)
+  return _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+
+
+def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, cfg):
+  out, lse = _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+  saved = (None, None) if cfg.fp8 is not None else (out, lse)
+  return (out, lse), (q, k, v, q_lens, kv_lens, bias, mask) + saved
+
+
+def _vjp_bwd(cfg, res, cts):
+  q, k, v, q_lens, kv_lens, bias, mask, out, lse = res
+  dout, _ = cts
+  if cfg.fp8 is not None:
+    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+  if cfg.ring is not None:
+    dq, dk, dv = ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
+                               *_ring_args(cfg))
+    dbias = None
+  elif cfg.kernel:
+    grads = sharding.fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype),
+                             q_lens, kv_lens, deterministic=cfg.deterministic,
+                             **cfg.attrs)
+    dq, dk, dv = (reference.varying_like(g, x)
+                  for g, x in zip(grads, (q, k, v)))
+    dbias = None
+  else:
+    dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
+        q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
+        block_k=cfg.block_k, **cfg.attrs)
+  return dq, dk, dv, None, None, dbias, None
+
+
+_attention.defvjp(_vjp_fwd, _vjp_bwd)
