@@ -62,8 +62,8 @@ def sm90_kernels_present() -> bool:
   return _native.available() and _native.sm90_gpu_present()
 
 
-# What a default build compiles for head dim 128; used where the kernels are
-# missing so that GPU test ids are the same everywhere (the tests then skip).
+# Stand-in where the kernels are not built: GPU tests still collect (with the
+# head dim 128 ids) and conftest then skips them.
 _UNBUILT_CONFIGS = frozenset({("bfloat16", 128), ("float16", 128)})
 
 
