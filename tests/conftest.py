@@ -1,47 +1,62 @@
-"""Shared pytest setup: the `gpu` marker and the skip rule for kernel tests.
+"""pytest setup shared by every test: XLA flags, the `gpu` marker and its skip
+rule, and the `cpu_backend` fixture.
 
-GPU tests need the compiled kernels *and* an sm_90 device; anywhere else (the
-CPU-only CI machine) they are skipped, so CI proves build + JAX layer + the
-reference path while the GPU truth is proven on the H200.
+Tests without the `gpu` marker run everywhere (CPU CI machine and H100/H200
+hosts). Tests marked `gpu` need the compiled kernels and an sm_90 device and
+are skipped anywhere else. Shared helpers live in `fa3_testing.py` (inputs,
+compiled-config discovery) and `host_reference.py` (NumPy references and the
+FA3 tolerance rule).
 """
 import os
 
-# 8 virtual CPU devices for the sharding tests (test_sharding.py); this has to
-# happen before JAX creates its CPU backend and affects only the CPU platform.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
 
-import pytest
+def _add_xla_flag(flag):
+  if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
-def _sm90_kernels_available() -> bool:
-    try:
-        import jax
-        import jax_fa3._native as native
-    except Exception:
-        return False
-    if not native.available():
-        return False
-    try:
-        devs = jax.devices("gpu")
-    except RuntimeError:
-        return False
-    return any(getattr(d, "compute_capability", "") == "9.0" for d in devs)
+# XLA reads XLA_FLAGS when it creates its first backend, so this runs before
+# anything touches a device. 8 virtual CPU devices for the sharding tests
+# (the flag affects only the CPU platform).
+_add_xla_flag("--xla_force_host_platform_device_count=8")
 
+import jax_fa3._native as _native  # noqa: E402  (creates no backend)
 
-HAS_SM90 = _sm90_kernels_available()
+if not _native.available():
+  # The CPU suite's time is XLA:CPU compiling many tiny programs: skip LLVM
+  # optimizations. Hosts with the kernels keep XLA:GPU's default code.
+  _add_xla_flag("--xla_backend_optimization_level=0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from fa3_testing import sm90_kernels_present  # noqa: E402
+
+HAS_SM90 = sm90_kernels_present()
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "gpu: needs the compiled kernels and an sm_90 (H100/H200) GPU")
+  config.addinivalue_line(
+      "markers", "gpu: needs the compiled kernels and an sm_90 (H100/H200) GPU")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_SM90:
-        return
-    skip = pytest.mark.skip(reason="no sm_90 GPU with jax_fa3 kernels")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+  if HAS_SM90:
+    return
+  skip = pytest.mark.skip(reason="no sm_90 GPU with jax_fa3 kernels")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture
+def cpu_backend():
+  """Runs the test's computations on XLA:CPU, also on a GPU host.
+
+  CPU tests check the reference path and the API against jax.nn with float32
+  tolerances; on a GPU, float32 matmuls default to TF32, so the same numbers
+  are only guaranteed on the CPU backend. Apply per module with
+  ``pytestmark = pytest.mark.usefixtures("cpu_backend")``.
+  """
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield

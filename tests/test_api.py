@@ -1,20 +1,24 @@
-"""jax_fa3.attention / dot_product_attention on CPU (reference path) vs jax.nn."""
+"""jax_fa3.attention / dot_product_attention on CPU (reference path) vs
+jax.nn, input validation, the public names, and the kernel/reference routing
+(checked by lowering for CUDA, which needs no GPU)."""
+import importlib.util
+import inspect
+import pathlib
+import re
+
 import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3 import _native, api
+from jax_fa3 import _native
 
-from _fa3_testutil import ATOL, RTOL, close as _close, nn_attention as _nn
-from _fa3_testutil import rand as _rand
+from fa3_testing import ATOL, RTOL, close as _close, nn_attention as _nn
+from fa3_testing import rand as _rand
 
-
-@pytest.fixture(autouse=True)
-def _small_blocks(monkeypatch):
-  # Several K/V chunks (with S padding) even for the small test shapes.
-  monkeypatch.setattr(api, "_BLOCK_K", 16)
+# XLA:CPU on every host, so float32 tolerances hold (no TF32 on a GPU).
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 
 def _check(ours, ref, args, w, argnums=(0, 1, 2), rtol=RTOL, atol=ATOL,
@@ -61,6 +65,10 @@ CASES = {
     "seqlens_causal_padded_batch": dict(shape=dict(T=37, S=53), kw=dict(
         is_causal=True, query_seq_lengths=np.array([30, 0], np.int32),
         key_value_seq_lengths=np.array([45, 53], np.int32))),
+    # Longer than the reference's K/V block: several blocks, the last padded.
+    "long_kv_seqlens_window": dict(shape=dict(T=21, S=1100, N=4, K=2), kw=dict(
+        local_window_size=(700, 300),
+        key_value_seq_lengths=np.array([1100, 613], np.int32))),
 }
 
 
@@ -208,8 +216,7 @@ def test_fully_masked_row_outputs_zero():
 
 
 def test_fp8_needs_16bit_inputs():
-  # precision="fp8" exists since issue 5 (tests/test_fp8.py); float32 inputs
-  # are refused with a ValueError before anything runs.
+  # float32 inputs are refused before anything runs (FP8 itself: test_fp8.py).
   q, k, v, _ = _rand(10, B=1, T=4, S=4)
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     jax_fa3.attention(q, k, v, precision="fp8")
@@ -251,9 +258,11 @@ def _bad_cases():
       "precision": lambda: A(q, k, v, precision="fp16"),
       "implementation": lambda: A(q, k, v, implementation="triton"),
       "fa3_on_f32": lambda: A(q, k, v, implementation="fa3"),
-      "fa3_not_built": lambda: A(q.astype(jnp.bfloat16),
-                                 k.astype(jnp.bfloat16),
-                                 v.astype(jnp.bfloat16), implementation="fa3"),
+      # head dim 8: no kernel on any host (not built, or not compiled)
+      "fa3_unavailable": lambda: A(q.astype(jnp.bfloat16),
+                                   k.astype(jnp.bfloat16),
+                                   v.astype(jnp.bfloat16),
+                                   implementation="fa3"),
       "dpa_impl": lambda: D(q, k, v, implementation="pallas"),
       "dpa_rank_mix": lambda: D(q[0], k, v),
       "dpa_mask_dtype": lambda: D(q, k, v, mask=jnp.ones((1, 1, 4, 5))),
@@ -274,14 +283,20 @@ def test_bad_inputs_raise_value_error(case):
     BAD[case]()
 
 
-def test_error_messages_name_the_problem():
+def test_error_messages_name_the_problem(monkeypatch):
   q, k, v, _ = _rand(12, B=1, T=4, S=4, H=8)
+  q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v))
   with pytest.raises(ValueError, match="dtype float32"):
     jax_fa3.attention(q, k, v, implementation="fa3")
-  # CPU: the binding is either absent or (installed) without an sm_90 GPU.
-  with pytest.raises(ValueError, match="not built|no sm_90"):
-    jax_fa3.attention(q.astype(jnp.float16), k.astype(jnp.float16),
-                      v.astype(jnp.float16), implementation="fa3")
+  # Why the kernel cannot run, for each missing piece (faked: same on any host).
+  monkeypatch.setattr(_native, "available", lambda: False)
+  with pytest.raises(ValueError, match="not built"):
+    jax_fa3.attention(q16, k16, v16, implementation="fa3")
+  monkeypatch.setattr(_native, "available", lambda: True)
+  monkeypatch.setattr(_native, "sm90_gpu_present", lambda: False)
+  with pytest.raises(ValueError, match="sm_90"):
+    jax_fa3.attention(q16, k16, v16, implementation="fa3")
+  monkeypatch.undo()
   with pytest.raises(ValueError, match="query_seq_lengths"):
     jax_fa3.attention(q, k, v, query_seq_lengths=np.array([1, 2], np.int32))
   with pytest.raises(ValueError, match="local_window_size"):
@@ -290,54 +305,96 @@ def test_error_messages_name_the_problem():
     jax_fa3.attention(q, k, v, softcap=0)
 
 
-# --------------------------------------------------------------- routing
+# ---------------------------------------------------------- public names
+PUBLIC = {"attention", "dot_product_attention", "flax_attention_fn",
+          "attention_fp8", "quantize_fp8", "ring_attention", "to_zigzag",
+          "from_zigzag", "kernels_available", "__version__"}
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
 def test_exports():
-  assert jax_fa3.__version__ == "0.1.0"
+  assert len(jax_fa3.__all__) == len(set(jax_fa3.__all__))
+  assert set(jax_fa3.__all__) == PUBLIC
+  assert re.fullmatch(r"\d+\.\d+\.\d+", jax_fa3.__version__)
+  for name in PUBLIC - {"__version__"}:
+    obj = getattr(jax_fa3, name)
+    assert inspect.isfunction(obj), name
+    assert obj.__module__.split(".")[0] == "jax_fa3", (name, obj.__module__)
+    assert obj.__doc__ and obj.__doc__.strip(), f"{name} has no docstring"
   assert jax_fa3.kernels_available() is _native.available()
 
 
-def _prims(jaxpr):
-  """Primitive names appearing in a (printed) jaxpr, sub-jaxprs included."""
-  import re
-  return set(re.findall(r"\b(fa3_fwd|fa3_bwd|scan)\b", str(jaxpr)))
+@pytest.mark.skipif(not README.is_file(), reason="no README.md next to tests/")
+def test_readme_documents_exactly_the_exports():
+  text = README.read_text()
+  for name in PUBLIC - {"__version__"}:
+    assert re.search(rf"\b{name}\b", text), f"README.md never mentions {name}"
+  # Every jax_fa3.<name> the README shows is a submodule or an export.
+  for name in set(re.findall(r"\bjax_fa3\.(\w+)", text)):
+    submodule = importlib.util.find_spec(f"jax_fa3.{name}") is not None
+    assert submodule or name in PUBLIC, (
+        f"README.md shows jax_fa3.{name}, which is not in jax_fa3.__all__")
+
+
+# --------------------------------------------------------------- routing
+def _cuda_kernels(f, *args):
+  """FFI kernels (custom-call targets) in ``f``'s program lowered for CUDA.
+  Lowering needs no GPU, so the routing is checked the same on every host."""
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return set(re.findall(r"custom_call @(jax_fa3\w*)", text))
+
+
+def _grad(f):
+  return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2))
 
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
+  """_native as on an sm_90 host whose build has head dim 8 only (no real
+  build does, so tests never run a kernel; they lower for CUDA)."""
+  configs = frozenset({("bfloat16", 8), ("float16", 8)})
   monkeypatch.setattr(_native, "available", lambda: True)
   monkeypatch.setattr(_native, "sm90_gpu_present", lambda: True)
-  monkeypatch.setattr(_native, "compiled_configs", lambda: frozenset(
-      {("bfloat16", 8), ("float16", 8)}))
+  monkeypatch.setattr(_native, "compiled_configs", lambda: configs)
+  monkeypatch.setattr(_native, "compiled_bwd_configs", lambda: configs)
 
 
-def test_routing_without_kernels_uses_reference():
+def test_routing_without_kernels_uses_reference(monkeypatch):
+  monkeypatch.setattr(_native, "available", lambda: False)
   q, k, v, _ = _rand(13, B=1, T=4, S=4, dtype=jnp.bfloat16)
-  names = _prims(jax.make_jaxpr(lambda q, k, v: jax_fa3.attention(
-      q, k, v))(q, k, v))
-  assert "fa3_fwd" not in names and "scan" in names
+  f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
+  assert _cuda_kernels(f, q, k, v) == set()
+  assert _cuda_kernels(_grad(f), q, k, v) == set()
+  ref = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True,
+                                          implementation="reference")
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(q, k, v), np.float32),
+                                np.asarray(jax.jit(ref)(q, k, v), np.float32))
 
 
-def test_routing_with_kernels_binds_primitive(fake_kernels):
+def test_routing_with_kernels_binds_the_kernels(fake_kernels):
   q, k, v, w = _rand(14, B=2, T=9, S=12, N=4, K=2, dtype=jnp.bfloat16)
   f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
-  names = _prims(jax.make_jaxpr(f)(q, k, v))
-  assert "fa3_fwd" in names
-  gnames = _prims(jax.make_jaxpr(jax.grad(
-      lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2)))(
-          q, k, v))
-  assert "fa3_bwd" in gnames
-  # on CPU the primitive lowers to the reference: same numbers
+  assert _cuda_kernels(f, q, k, v) == {"jax_fa3_fwd"}
+  assert _cuda_kernels(_grad(f), q, k, v) == {"jax_fa3_fwd", "jax_fa3_bwd"}
+  det = lambda q, k, v: jax_fa3.attention(q, k, v, deterministic=True)
+  assert "jax_fa3_bwd" in _cuda_kernels(_grad(det), q, k, v)
+  # Off CUDA the kernel path computes the reference: same numbers on XLA:CPU.
   fa3 = jax.jit(lambda q, k, v: jax_fa3.attention(
       q, k, v, is_causal=True, implementation="fa3"))(q, k, v)
   ref = jax.jit(lambda q, k, v: jax_fa3.attention(
       q, k, v, is_causal=True, implementation="reference"))(q, k, v)
   _close(fa3, ref, rtol=1e-2, atol=1e-2)
   # f32 / mask / bias still route to the reference
-  assert "fa3_fwd" not in _prims(jax.make_jaxpr(f)(
-      *(x.astype(jnp.float32) for x in (q, k, v))))
+  assert _cuda_kernels(f, *(x.astype(jnp.float32) for x in (q, k, v))) == set()
   m = jnp.ones((1, 1, 9, 12), bool)
-  assert "fa3_fwd" not in _prims(jax.make_jaxpr(
-      lambda q, k, v: jax_fa3.dot_product_attention(q, k, v, mask=m))(q, k, v))
+  assert _cuda_kernels(lambda q, k, v: jax_fa3.dot_product_attention(
+      q, k, v, mask=m), q, k, v) == set()
+  b = jnp.zeros((1, 1, 9, 12), jnp.float32)
+  assert _cuda_kernels(lambda q, k, v: jax_fa3.dot_product_attention(
+      q, k, v, bias=b), q, k, v) == set()
+  # implementation="reference" never binds a kernel
+  assert _cuda_kernels(lambda q, k, v: jax_fa3.attention(
+      q, k, v, implementation="reference"), q, k, v) == set()
 
 
 def test_fa3_rejects_uncompiled_head_dim(fake_kernels):
@@ -345,6 +402,5 @@ def test_fa3_rejects_uncompiled_head_dim(fake_kernels):
   with pytest.raises(ValueError, match="head_dim 16"):
     jax_fa3.attention(q, k, v, implementation="fa3")
   # implementation=None silently falls back to the reference
-  names = _prims(jax.make_jaxpr(lambda q, k, v: jax_fa3.attention(
-      q, k, v))(q, k, v))
-  assert "fa3_fwd" not in names
+  assert _cuda_kernels(lambda q, k, v: jax_fa3.attention(q, k, v),
+                       q, k, v) == set()

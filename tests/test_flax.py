@@ -5,13 +5,16 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from _fa3_testutil import close
+from fa3_testing import close, nn_attention
 
 flax = pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 B, L, F, HEADS = 2, 11, 16, 2
+
+# XLA:CPU on every host, so float32 tolerances hold (no TF32 on a GPU).
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 
 def _x(seed, shape=(B, L, F)):
@@ -99,13 +102,15 @@ def test_dropout_raises():
   with pytest.raises(ValueError, match="dropout"):
     m(x, deterministic=False)
   m(x, deterministic=True)  # fine without dropout
-  q = jnp.ones((1, 4, 2, 8))
+  q, k, v = (_x(s, (1, 4, 2, 8)) for s in (8, 9, 10))
   with pytest.raises(ValueError, match="dropout"):
-    jax_fa3.flax_attention_fn(q, q, q, dropout_rate=0.1,
+    jax_fa3.flax_attention_fn(q, k, v, dropout_rate=0.1,
                               dropout_rng=jax.random.key(0))
-  out = jax_fa3.flax_attention_fn(q, q, q, dropout_rate=0.1,
+  # deterministic=True: no dropout, plain attention
+  out = jax_fa3.flax_attention_fn(q, k, v, dropout_rate=0.1,
                                   deterministic=True)
-  assert out.shape == q.shape
+  with jax.default_matmul_precision("highest"):
+    close(out, nn_attention(q, k, v))
 
 
 def test_dtype_cast_and_no_batch_dims():

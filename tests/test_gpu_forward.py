@@ -8,8 +8,8 @@ Accuracy rule (the one FlashAttention-3 itself uses)::
 
     max|out - ref64| <= 2 * max|ref_same - ref64| + atol
 
-Both references are computed on the host in NumPy (:mod:`_gpu_ref`, itself
-checked against jax.nn on CPU by ``tests/test_gpu_ref.py``), so no XLA
+Both references are computed on the host in NumPy (:mod:`host_reference`,
+itself checked against jax.nn on CPU by ``tests/test_host_reference.py``), so no XLA
 program is compiled for them:
 
 * ``ref64``: float64 dense attention of the *same* (rounded) inputs with the
@@ -40,12 +40,15 @@ tests/test_gpu_backward.py has the backward's own sweep) use
 ``max|d - d_ref64| <= 3 * max|d_same - d_ref64| + atol`` with
 ``atol = GRAD_ATOL + 2 * roundoff(d_ref64 in the input dtype)``; ``d_ref64``
 and ``d_same`` (JAX autodiff of jax.nn's xla path in the input dtype, emulated)
-come from :func:`_gpu_ref.attention_grad_refs`, so only the kernel's vjp is
+come from :func:`host_reference.attention_grad_refs`, so only the kernel's vjp is
 compiled.
 
 Head dims are taken from ``jax_fa3._native.compiled_configs()``: head dim 128
 (the "primary" one) gets the full sweep; every other compiled head dim gets a
 reduced sweep automatically.
+
+Input validation (dtypes, shapes, uncompiled head dims) happens in Python
+before any kernel runs; ``tests/test_api.py`` checks it on every host.
 """
 from __future__ import annotations
 
@@ -58,8 +61,10 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from _gpu_ref import (attention_grad_refs, attention_refs, make_inputs,
-                      max_abs_diff, np_dtype, roundoff, row_valid, seed_of)
+from fa3_testing import cid, kernel_configs, np32, seq_lens, to_device
+from host_reference import (GRAD_FACTOR, assert_fa3_rule, assert_sane,
+                            attention_grad_refs, attention_refs, make_inputs,
+                            np_dtype, roundoff, row_valid, seed_of)
 
 pytestmark = pytest.mark.gpu
 
@@ -71,26 +76,7 @@ FWD_ATOL = {"bfloat16": 2e-3, "float16": 1e-3}
 GRAD_ATOL = {"bfloat16": 2e-3, "float16": 1e-3}
 LSE_ATOL = 1e-3  # plus the dtype roundoff of the lse (it is in key.dtype)
 
-_DEFAULT_CONFIGS = frozenset({("bfloat16", 128), ("float16", 128)})
-
-
-def _compiled_configs() -> frozenset:
-  """(dtype_name, head_dim) pairs built into the native library.
-
-  Falls back to the first-build set when the native module is missing so the
-  tests still collect (and are skipped by conftest) on CPU-only machines.
-  """
-  try:
-    from jax_fa3 import _native
-    cfg = frozenset((str(d), int(h)) for d, h in _native.compiled_configs())
-    if cfg:
-      return cfg
-  except Exception:  # noqa: BLE001 - no native library / no GPU
-    pass
-  return _DEFAULT_CONFIGS
-
-
-CONFIGS = sorted(_compiled_configs(), key=lambda c: (c[1], c[0]))
+CONFIGS = kernel_configs("fwd")
 _HDIMS = sorted({h for _, h in CONFIGS})
 PRIMARY_HD = 128 if 128 in _HDIMS else _HDIMS[0]
 PRIMARY = [c for c in CONFIGS if c[1] == PRIMARY_HD]
@@ -105,10 +91,6 @@ FWD_PAIRS = [(1, 1), (1, 239), (3, 799), (113, 203), (128, 217), (108, 256),
 OTHER_PAIRS = [(1, 239), (3, 799), (113, 203), (108, 256), (640, 128),
                (1023, 1024)]
 BIG_PAIR = (4224, 4224)
-
-
-def _cid(c):
-  return f"{'bf16' if c[0] == 'bfloat16' else 'fp16'}-d{c[1]}"
 
 
 def _batch_heads(t, s):
@@ -157,47 +139,6 @@ def _fa3_jit(*, scale=None, causal=False, window=None, softcap=None,
   return f
 
 
-def _dev(*xs):
-  return tuple(jnp.asarray(x) for x in xs)
-
-
-def _lens(x):
-  return None if x is None else jnp.asarray(np.asarray(x, np.int32))
-
-
-def _np32(x):
-  return np.asarray(x).astype(np.float32)
-
-
-def _assert_rule(name, out, ref64, ref_same, atol, factor=2.0):
-  out = np.asarray(out)
-  assert out.shape == ref64.shape, (name, out.shape, ref64.shape)
-  if out.size == 0:
-    return
-  err = max_abs_diff(out, ref64)
-  base = max_abs_diff(ref_same, ref64)
-  bound = factor * base + atol
-  assert err <= bound, (
-      f"{name}: max|out-ref64| = {err:.4g} > {factor}*max|ref_same-ref64| "
-      f"({base:.4g}) + atol ({atol:.3g}) = {bound:.4g}")
-
-
-def _assert_sane(name, out32: np.ndarray, valid: np.ndarray):
-  """Poison checks: finite everywhere, exact 0 on invalid rows, not constant."""
-  assert np.all(np.isfinite(out32)), f"{name}: NaN/Inf in output"
-  invalid = ~valid
-  if invalid.any():
-    bad = out32[invalid]
-    assert np.all(bad == 0), (
-        f"{name}: rows without visible keys / past q length are not exactly 0 "
-        f"(max |.| = {float(np.max(np.abs(bad))):.4g}, "
-        f"{int(np.sum(np.any(bad != 0, axis=(-2, -1))))} rows)")
-  if valid.any():
-    good = out32[valid]
-    assert np.any(good != 0), f"{name}: output is all zero on valid rows"
-    assert float(np.max(good) - np.min(good)) > 0, f"{name}: output constant"
-
-
 def _check_forward(dtype_name, hd, t, s, *, b, n, k, causal=False, window=None,
                    softcap=None, q_lens=None, kv_lens=None, scale=None,
                    tag=""):
@@ -210,15 +151,16 @@ def _check_forward(dtype_name, hd, t, s, *, b, n, k, causal=False, window=None,
   fut = _POOL.submit(attention_refs, q, kk, v, q_lens, kv_lens, scale=scale,
                      causal=causal, window=window, softcap=softcap)
   f = _fa3_jit(scale=scale, causal=causal, window=window, softcap=softcap)
-  out = np.asarray(f(*_dev(q, kk, v), _lens(q_lens), _lens(kv_lens)))
+  out = np.asarray(f(*to_device(q, kk, v), seq_lens(q_lens),
+                     seq_lens(kv_lens)))
   refs = fut.result()
   assert out.shape == q.shape and out.dtype == np_dtype(dtype_name), (
       out.shape, out.dtype)
   valid = row_valid(b, t, s, q_lens, kv_lens, causal, window)
   assert np.array_equal(valid, refs.valid)
   out32 = out.astype(np.float32)
-  _assert_sane("fa3", out32, valid)
-  _assert_rule("fa3", out32, refs.ref64, refs.same, FWD_ATOL[dtype_name])
+  assert_sane("fa3", out32, valid)
+  assert_fa3_rule("fa3", out32, refs.ref64, refs.same, FWD_ATOL[dtype_name])
 
 
 def _lengths(b, t, s):
@@ -246,7 +188,7 @@ def _forward_params():
     for t, s in pairs:
       for causal in (False, True):
         out.append(pytest.param(cfg, t, s, causal,
-                                id=f"{_cid(cfg)}-{t}x{s}-c{int(causal)}"))
+                                id=f"{cid(cfg)}-{t}x{s}-c{int(causal)}"))
   return out
 
 
@@ -267,7 +209,7 @@ def _gqa_params():
     for t, s, n, k, causal in cases:
       out.append(pytest.param(
           cfg, t, s, n, k, causal,
-          id=f"{_cid(cfg)}-{t}x{s}-n{n}k{k}-c{int(causal)}"))
+          id=f"{cid(cfg)}-{t}x{s}-n{n}k{k}-c{int(causal)}"))
   return out
 
 
@@ -286,7 +228,7 @@ def _window_params():
 
   def add(cfg, t, s, w, causal):
     out.append(pytest.param(cfg, t, s, w, causal,
-                            id=f"{_cid(cfg)}-{t}x{s}-w{w[0]}_{w[1]}"
+                            id=f"{cid(cfg)}-{t}x{s}-w{w[0]}_{w[1]}"
                             f"-c{int(causal)}"))
   for cfg in CONFIGS:
     if cfg == PRIMARY[0]:  # full window sweep on one primary config
@@ -323,7 +265,7 @@ def _softcap_params():
     for t, s, cap, causal in cases:
       out.append(pytest.param(
           cfg, t, s, cap, causal,
-          id=f"{_cid(cfg)}-{t}x{s}-cap{cap:g}-c{int(causal)}"))
+          id=f"{cid(cfg)}-{t}x{s}-cap{cap:g}-c{int(causal)}"))
   return out
 
 
@@ -343,7 +285,7 @@ def _seqlen_params():
       for causal in (False, True):
         out.append(pytest.param(
             cfg, t, s, which, causal,
-            id=f"{_cid(cfg)}-{t}x{s}-{which}-c{int(causal)}"))
+            id=f"{cid(cfg)}-{t}x{s}-{which}-c{int(causal)}"))
   return out
 
 
@@ -368,9 +310,9 @@ def _decode_params():
     for s in (4224, 8191):
       for n, k in ((6, 6), (6, 1)):
         out.append(pytest.param(cfg, s, n, k, False,
-                                id=f"{_cid(cfg)}-1x{s}-n{n}k{k}-c0"))
+                                id=f"{cid(cfg)}-1x{s}-n{n}k{k}-c0"))
     out.append(pytest.param(cfg, 4224, 6, 2, True,
-                            id=f"{_cid(cfg)}-1x4224-n6k2-c1"))
+                            id=f"{cid(cfg)}-1x4224-n6k2-c1"))
   return out
 
 
@@ -384,9 +326,9 @@ def _combo_params():
   out = []
   for cfg in PRIMARY:
     out.append(pytest.param(cfg, 640, 700, True, 6, 2,
-                            id=f"{_cid(cfg)}-640x700-n6k2-c1"))
+                            id=f"{cid(cfg)}-640x700-n6k2-c1"))
     out.append(pytest.param(cfg, 1023, 1024, False, 4, 2,
-                            id=f"{_cid(cfg)}-1023x1024-n4k2-c0"))
+                            id=f"{cid(cfg)}-1023x1024-n4k2-c0"))
   return out
 
 
@@ -404,10 +346,10 @@ def test_eager_equals_jit():
   dtype_name, hd = PRIMARY[0]
   b, t, s, n, k = 4, 113, 203, 6, 2
   ql, kl = _lengths(b, t, s)
-  q, kk, v = _dev(*make_inputs(seed_of("eager", hd), b, t, s, n, k, hd,
+  q, kk, v = to_device(*make_inputs(seed_of("eager", hd), b, t, s, n, k, hd,
                                dtype_name))
   kw = dict(scale=0.07, causal=True, window=(96, 40), softcap=30.0)
-  args = (q, kk, v, _lens(ql), _lens(kl))
+  args = (q, kk, v, seq_lens(ql), seq_lens(kl))
   out_jit = _fa3_jit(**kw)(*args)
   out = jax_fa3.attention(
       *args[:3], scale=0.07, is_causal=True, local_window_size=(96, 40),
@@ -416,7 +358,7 @@ def test_eager_equals_jit():
   assert out.dtype == out_jit.dtype == np_dtype(dtype_name)
   assert np.asarray(out).tobytes() == np.asarray(out_jit).tobytes(), (
       "eager and jit outputs differ bitwise (same kernel, same inputs)")
-  assert np.all(np.isfinite(_np32(out)))
+  assert np.all(np.isfinite(np32(out)))
 
 
 # ---------------------------------------------------------------------------
@@ -435,10 +377,10 @@ def test_deterministic(case):
   else:
     b, t, s, n, k, causal = 4, 384, 256, 2, 2, False
     ql, kl = _lengths(b, t, s)
-  q, kk, v = _dev(*make_inputs(seed_of("det", case), b, t, s, n, k, hd,
+  q, kk, v = to_device(*make_inputs(seed_of("det", case), b, t, s, n, k, hd,
                                dtype_name))
   f = _fa3_jit(causal=causal)
-  args = (q, kk, v, _lens(ql), _lens(kl))
+  args = (q, kk, v, seq_lens(ql), seq_lens(kl))
   first = np.asarray(f(*args)).tobytes()
   for i in range(19):
     again = np.asarray(f(*args)).tobytes()
@@ -453,13 +395,12 @@ def test_deterministic(case):
 def _grad_params():
   bf = [c for c in PRIMARY if c[0] == "bfloat16"] or PRIMARY[:1]
   fp = [c for c in PRIMARY if c[0] == "float16"] or PRIMARY[-1:]
+  # GQA gradients (113x203, causal) are in test_gpu_backward's variants.
   return [
-      pytest.param(bf[0], 113, 203, True, "gqa",
-                   id=f"{_cid(bf[0])}-113x203-gqa-c1"),
       pytest.param(fp[0], 384, 256, True, "seqlens+window",
-                   id=f"{_cid(fp[0])}-384x256-seqlens+window-c1"),
+                   id=f"{cid(fp[0])}-384x256-seqlens+window-c1"),
       pytest.param(bf[0], 128, 217, False, "softcap",
-                   id=f"{_cid(bf[0])}-128x217-softcap-c0"),
+                   id=f"{cid(bf[0])}-128x217-softcap-c0"),
   ]
 
 
@@ -469,8 +410,6 @@ def test_gradients(cfg, t, s, causal, extra):
   dtype = np_dtype(dtype_name)
   b, n, k = 2, 3, 3
   window = softcap = ql = kl = None
-  if extra == "gqa":
-    n, k = 6, 2
   if "window" in extra:
     window = (64, 31)
   if "softcap" in extra:
@@ -495,15 +434,15 @@ def test_gradients(cfg, t, s, causal, extra):
       _, pull = jax.vjp(lambda a, b_, c: fa3(a, b_, c, ql, kl), q, kk, v)
       return pull(do)
     g = _JIT_CACHE[key] = jax.jit(g)
-  grads = g(*_dev(q, kk, v, do), _lens(ql), _lens(kl))
+  grads = g(*to_device(q, kk, v, do), seq_lens(ql), seq_lens(kl))
   grads64, grads_d = fut.result()
   for name, gr, gd, g64 in zip(("dq", "dk", "dv"), grads, grads_d, grads64):
     assert gr.dtype == dtype, (name, gr.dtype)
-    g_np = _np32(gr)
+    g_np = np32(gr)
     assert np.all(np.isfinite(g_np)), f"{name}: NaN/Inf"
     assert np.any(g_np != 0), f"{name}: all zero"
     atol = GRAD_ATOL[dtype_name] + 2 * roundoff(g64, dtype)
-    _assert_rule(name, g_np, g64, gd, atol, factor=3.0)
+    assert_fa3_rule(name, g_np, g64, gd, atol, GRAD_FACTOR)
 
 
 # ---------------------------------------------------------------------------
@@ -520,7 +459,7 @@ def _lse_params():
                                (128, 217, 6, 2, True)):
       gqa = "-gqa" if n != k else ""
       out.append(pytest.param(cfg, t, s, n, k, causal,
-                              id=f"{_cid(cfg)}-{t}x{s}{gqa}-c{int(causal)}"))
+                              id=f"{cid(cfg)}-{t}x{s}{gqa}-c{int(causal)}"))
   return out
 
 
@@ -532,55 +471,16 @@ def test_lse_residual(cfg, t, s, n, k, causal):
   q, kk, v = make_inputs(seed_of("lse", cfg, t, s, n, k, causal), b, t, s, n,
                          k, hd, dtype_name)
   fut = _POOL.submit(attention_refs, q, kk, v, causal=causal)
-  out, lse = _fa3_jit(causal=causal, residual=True)(*_dev(q, kk, v), None,
+  out, lse = _fa3_jit(causal=causal, residual=True)(*to_device(q, kk, v), None,
                                                     None)
   refs = fut.result()
   assert lse.shape == (b, t, n), f"residual shape {lse.shape} != {(b, t, n)}"
   assert lse.dtype == dtype, lse.dtype
-  lse_np = _np32(lse)
+  lse_np = np32(lse)
   assert np.all(np.isfinite(lse_np)), "lse has NaN/Inf on rows with keys"
   # lse comes back in key.dtype (like jax.nn): allow one rounding of it.
-  _assert_rule("lse", lse_np, refs.lse64, refs.lse_same,
-               LSE_ATOL + roundoff(refs.lse64, dtype))
-  out32 = _np32(out)
-  _assert_sane("out", out32, refs.valid)
-  _assert_rule("out", out32, refs.ref64, refs.same, FWD_ATOL[dtype_name])
-
-
-# ---------------------------------------------------------------------------
-# Bad input.
-# ---------------------------------------------------------------------------
-
-
-def _bad_cases():
-  cases = [
-      ("float32", dict(dtype="float32")),
-      ("hd80", dict(h=80)),
-      ("heads-not-multiple", dict(n=5, k=2)),
-      ("kv-shape-mismatch", dict(v_s=100)),
-  ]
-  missing = [h for h in (64, 96, 192, 256) if h not in _HDIMS]
-  if missing:
-    cases.append((f"hd{missing[0]}-not-compiled", dict(h=missing[0])))
-  return [pytest.param(kw, id=name) for name, kw in cases]
-
-
-@pytest.mark.parametrize("kw", _bad_cases())
-def test_bad_input_raises(kw):
-  dt = np_dtype(kw.get("dtype", PRIMARY[0][0]))
-  h = kw.get("h", PRIMARY_HD)
-  n, k = kw.get("n", 4), kw.get("k", 4)
-  rng = np.random.default_rng(0)
-  q = rng.standard_normal((1, 64, n, h), np.float32).astype(dt)
-  kk = rng.standard_normal((1, 96, k, h), np.float32).astype(dt)
-  v = rng.standard_normal((1, kw.get("v_s", 96), k, h), np.float32).astype(dt)
-  with pytest.raises(ValueError):
-    jax_fa3.attention(*_dev(q, kk, v), implementation="fa3")
-
-
-def test_mixed_dtypes_raise():
-  rng = np.random.default_rng(1)
-  x = rng.standard_normal((1, 64, 2, PRIMARY_HD), np.float32)
-  q, kk = _dev(x.astype(np_dtype("bfloat16")), x.astype(np.float16))
-  with pytest.raises((ValueError, TypeError)):
-    jax_fa3.attention(q, kk, kk, implementation="fa3")
+  assert_fa3_rule("lse", lse_np, refs.lse64, refs.lse_same,
+                  LSE_ATOL + roundoff(refs.lse64, dtype))
+  out32 = np32(out)
+  assert_sane("out", out32, refs.valid)
+  assert_fa3_rule("out", out32, refs.ref64, refs.same, FWD_ATOL[dtype_name])

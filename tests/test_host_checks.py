@@ -1,5 +1,6 @@
 """Host-only checks of kernel index arithmetic, built with nvcc (no GPU needed;
-skipped without nvcc or the nvidia-cutlass headers):
+skipped without nvcc or the CUTLASS headers: $CUTLASS_INCLUDE_DIR, else those of
+the nvidia-cutlass package):
 - the backward's key-block dispatch order (cc/bwd/tile_scheduler.h) covers
   every (key block, KV head, batch) exactly once and keeps its order's promise
   (longest first: chunks of key blocks never go back; deterministic causal:
@@ -20,12 +21,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cutlass_include():
-  try:
-    import cutlass_library
-  except ImportError:
-    return None
-  inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
-  return inc if os.path.isdir(inc) else None
+  """CUTLASS headers, found as CMakeLists.txt finds them."""
+  inc = os.environ.get("CUTLASS_INCLUDE_DIR")
+  if not inc:
+    try:
+      import cutlass_library
+    except ImportError:
+      return None
+    inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+  return inc if os.path.isfile(os.path.join(inc, "cute", "tensor.hpp")) else None
 
 
 def _build_and_run(src, tmp_path):
@@ -34,11 +38,13 @@ def _build_and_run(src, tmp_path):
       "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
   inc = _cutlass_include()
   if nvcc is None or inc is None:
-    pytest.skip("needs nvcc and the nvidia-cutlass headers")
+    pytest.skip("needs nvcc and the CUTLASS headers ($CUTLASS_INCLUDE_DIR or "
+                "pip install nvidia-cutlass)")
   exe = str(tmp_path / os.path.splitext(os.path.basename(src))[0])
-  subprocess.run([nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "cc"),
-                  "-I", inc, os.path.join(ROOT, src), "-o", exe],
-                 check=True, capture_output=True, text=True)
+  build = subprocess.run([nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-I",
+                          os.path.join(ROOT, "cc"), "-I", inc, os.path.join(ROOT, src),
+                          "-o", exe], capture_output=True, text=True)
+  assert build.returncode == 0, f"nvcc failed on {src}:\n{build.stderr[-4000:]}"
   return subprocess.run([exe], capture_output=True, text=True)
 
 
@@ -55,8 +61,8 @@ def test_bwd_tile_order_is_a_permutation(tmp_path):
   # for short sequences, 128 for long ones (and the override widths 5 and 128).
   chunks = {l.split("chunk=")[1].split()[0] for l in plans}
   assert chunks == {"5", "16", "32", "128"}, chunks
-  # chunk_for on the sweep's shapes (measured, RESULTS.md session 11) and on
-  # GQA 16/4, whose few long key blocks keep the narrow chunk.
+  # chunk_for on the benchmark sweep's shapes (where each width measured
+  # fastest) and on GQA 16/4, whose few long key blocks keep the narrow chunk.
   rule = dict(l.split()[1:] for l in lines if l.startswith("rule "))
   assert rule == {"d128_8k": "chunk=32", "d128_16k": "chunk=128", "d256_4k": "chunk=32",
                   "d256_8k": "chunk=128", "d64_16k": "chunk=32",

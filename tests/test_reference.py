@@ -6,11 +6,13 @@ import jax.numpy as jnp
 
 from jax_fa3 import reference as R
 
-from _fa3_testutil import close as _close
+from fa3_testing import close as _close, rand
+
+# XLA:CPU on every host, so float32 tolerances hold (no TF32 on a GPU).
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 
 def _rand(seed, B=2, T=37, S=53, N=6, K=2, H=16, dtype=jnp.float32):
-  from _fa3_testutil import rand
   return rand(seed, B=B, T=T, S=S, N=N, K=K, H=H, dtype=dtype)
 
 

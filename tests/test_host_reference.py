@@ -1,22 +1,28 @@
-"""CPU checks of the host references used by ``tests/test_gpu_forward.py``.
+"""CPU checks of the host references the GPU tests judge kernels against.
 
-Not marked ``gpu``: the NumPy references (:mod:`_gpu_ref`) are checked against
-``jax.nn.dot_product_attention(..., implementation="xla")`` on CPU in float32
-(HIGHEST matmul precision) on a handful of small shapes, so the GPU truth
-tests rest on a reference that CI itself proves.
+Not marked ``gpu``: the NumPy references (:mod:`host_reference`) are checked
+against ``jax.nn.dot_product_attention(..., implementation="xla")`` on XLA:CPU
+in float32 (HIGHEST matmul precision) on a handful of small shapes, so the
+GPU truth tests rest on a reference that CI itself proves.
 """
 import functools
 
-import _fa3_testutil  # noqa: F401  (XLA:CPU flags for fast compiles)
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from _gpu_ref import (attention_grad_refs, attention_refs,
-                      dense_reference_jax, make_inputs,
-                      np_dtype, roundoff, row_valid)
+import jax_fa3
+from jax_fa3 import fp8
+from host_reference import (attention_grad_refs, attention_refs,
+                            dense_reference_jax, dequantize, fold_causal,
+                            fp8_kernel_emulation, make_inputs, np_dtype,
+                            roundoff, row_valid)
+
+# XLA:CPU on every host: float32 here means float32 (no TF32), and jax.nn's
+# xla path accepts its fp16 dot algorithm.
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 # (b, t, s, n, k, h, causal, window, q_lens, kv_lens)
 CASES = [
@@ -138,12 +144,8 @@ def test_same_dtype_emulation(dtype):
   tol = 2 * roundoff(refs.ref64, dt)
   np.testing.assert_allclose(dense.astype(np.float32), refs.same, atol=tol,
                              rtol=0)
-  try:  # jax.nn forces a DotAlgorithmPreset some backends/versions reject
-    nn = jax.nn.dot_product_attention(*args, is_causal=True,
-                                      implementation="xla")
-    nn = np.asarray(nn)
-  except Exception:  # noqa: BLE001
-    return
+  nn = np.asarray(jax.nn.dot_product_attention(*args, is_causal=True,
+                                               implementation="xla"))
   np.testing.assert_allclose(nn.astype(np.float32), refs.same, atol=tol,
                              rtol=0)
 
@@ -197,3 +199,29 @@ def test_numpy_grad_reference(kw, ql, kl):
       # same rounding points as JAX: far closer to it than to float64
       tol = 2 * roundoff(a, dt)
       np.testing.assert_allclose(c, j, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, (40, 0)),
+                                           (False, (9, 4))])
+def test_fp8_kernel_emulation_matches_jax_emulation(causal, window):
+  """The NumPy FP8 kernel emulation (and its dequantize of the block-scale
+  layout) equals the library's pure-JAX emulation on the same e4m3 operands
+  but for rare ties in P's e4m3 rounding."""
+  b, t, s, n, k, h = 2, 150, 300, 4, 2, 64  # several Q and K/V scale blocks
+  q, kk, v = make_inputs(17, b, t, s, n, k, h, "bfloat16")
+  ops = fp8.quantize_qkv(q, kk, v)
+  ql, kl = np.array([150, 77], np.int32), np.array([300, 131], np.int32)
+  out = np.asarray(jax_fa3.attention_fp8(
+      *ops, query_seq_lengths=ql, key_value_seq_lengths=kl, is_causal=causal,
+      local_window_size=window, implementation="reference")).astype(np.float32)
+  q8, k8, v8, qs, ks, vs = (np.asarray(x) for x in ops)
+  bn = fp8.kv_block_rows(h)
+  emu = fp8_kernel_emulation(
+      dequantize(q8, qs, fp8.Q_BLOCK_ROWS), dequantize(k8, ks, bn),
+      dequantize(v8, vs, bn), ql, kl, fold_causal(causal, window),
+      1 / np.sqrt(h), np_dtype("bfloat16")).astype(np.float32)
+  diff = out != emu
+  assert diff.mean() < 1e-3, diff.mean()
+  np.testing.assert_allclose(out, emu, rtol=0,
+                             atol=2 * roundoff(emu, "bfloat16"))
+  assert np.all(emu[1, 77:] == 0)  # past q length

@@ -1,0 +1,90 @@
+"""Helpers shared by the test modules: random inputs, jax.nn as the CPU
+reference, float32 comparisons, and which kernels this machine has.
+
+The NumPy references the GPU tests judge kernels against are in
+``host_reference.py``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_fa3 import _native
+
+# float32 tolerance of the CPU tests (reference path vs jax.nn on XLA:CPU).
+RTOL = ATOL = 1e-5
+
+
+# ------------------------------------------------------------------ inputs
+def rand(seed, B=2, T=37, S=53, N=2, K=2, H=8, dtype=jnp.float32):
+  """Normal(0, 1) ``q [B,T,N,H]``, ``k, v [B,S,K,H]`` in ``dtype`` and a
+  float32 output cotangent ``w [B,T,N,H]`` (jax.random: on the default
+  device)."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
+  w = jax.random.normal(ks[3], (B, T, N, H), jnp.float32)
+  return q, k, v, w
+
+
+def to_device(*xs):
+  """Host arrays -> jax arrays on the default device."""
+  return tuple(jnp.asarray(x) for x in xs)
+
+
+def seq_lens(x):
+  """Per-batch lengths (list / array / None) -> ``int32[B]`` jax array or None."""
+  return None if x is None else jnp.asarray(np.asarray(x, np.int32))
+
+
+def np32(x):
+  """Any array -> float32 NumPy array on the host."""
+  return np.asarray(x).astype(np.float32)
+
+
+# ------------------------------------------------------------ comparisons
+def nn_attention(q, k, v, *a, **kw):
+  """jax.nn.dot_product_attention, XLA implementation (never cuDNN)."""
+  return jax.nn.dot_product_attention(q, k, v, *a, implementation="xla", **kw)
+
+
+def close(a, b, rtol=RTOL, atol=ATOL):
+  np.testing.assert_allclose(np.asarray(a, np.float32),
+                             np.asarray(b, np.float32), rtol=rtol, atol=atol)
+
+
+# ------------------------------------------------------- compiled kernels
+def sm90_kernels_present() -> bool:
+  """The compiled kernels are loaded and JAX sees an sm_90 GPU: what a test
+  marked ``gpu`` needs (conftest skips those tests otherwise)."""
+  return _native.available() and _native.sm90_gpu_present()
+
+
+# Stand-in where the kernels are not built: GPU tests still collect (with the
+# head dim 128 ids) and conftest then skips them.
+_UNBUILT_CONFIGS = frozenset({("bfloat16", 128), ("float16", 128)})
+
+
+def kernel_configs(family="fwd"):
+  """Sorted ``(dtype name, head dim)`` pairs with a compiled kernel, by head
+  dim then dtype. ``family``: ``"fwd"`` (``_native.compiled_configs``),
+  ``"bwd"`` (``_native.compiled_bwd_configs``, a subset) or ``"fp8"``
+  (``fp8.compiled_fp8_configs``: output dtype, head dim)."""
+  if not _native.available():
+    configs = _UNBUILT_CONFIGS
+  elif family == "fp8":
+    from jax_fa3 import fp8
+    configs = fp8.compiled_fp8_configs()
+  else:
+    configs = {"fwd": _native.compiled_configs,
+               "bwd": _native.compiled_bwd_configs}[family]()
+  return sorted(((str(d), int(h)) for d, h in configs),
+                key=lambda c: (c[1], c[0]))
+
+
+def cid(cfg) -> str:
+  """Test id of a ``(dtype name, head dim)`` config, e.g. ``bf16-d128``."""
+  dtype, hd = cfg
+  return f"{'bf16' if dtype == 'bfloat16' else 'fp16'}-d{hd}"
