@@ -55,7 +55,7 @@ def main(argv=None):
         qsets_x = [quant_x(*x[:3]) for x in sets]
         wr = 0 if causal else -1
         fns = {
-            "fp8-kernel": (jax.jit(lambda *a, wr=wr: fp8._fp8_core(
+            "fp8-kernel": (jax.jit(lambda *a, wr=wr: fp8.attention_quantized(
                 *a, None, None, hd ** -0.5, -1, wr, jnp.bfloat16, "fa3",
                 v_transposed=True)[0]), qsets),
             "fp8-kernel-xposeV": (jax.jit(lambda *a, c=causal: jax_fa3.attention_fp8(

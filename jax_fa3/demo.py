@@ -30,7 +30,7 @@ H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s of an H200 (SXM)
 
 
 # ---------------------------------------------------------------- arguments
-def _parse(argv, on_gpu):
+def parse_args(argv, on_gpu):
   g = on_gpu
   ap = argparse.ArgumentParser(
       prog="python -m jax_fa3.demo",
@@ -175,7 +175,7 @@ def model_flops_per_step(args):
 
 
 # -------------------------------------------------------------------- data
-def _batch(args, rng, step, n_ctx):
+def make_batch(args, rng, step, n_ctx):
   """Copy task: random ``period``-blocks tiled; next-token targets."""
   import numpy as np
   from jax_fa3.ring import to_zigzag
@@ -335,7 +335,7 @@ def train(args, mesh, attention, quiet=False):
   # masks by array position, so it gets the natural order.
   n_ctx = args.context if attention == "fa3" else 1
   put = lambda a: jax.device_put(a, data_sh)
-  x, y, pos, w = map(put, _batch(args, None, 0, n_ctx))
+  x, y, pos, w = map(put, make_batch(args, None, 0, n_ctx))
   state = init_fn(jax.random.key(args.seed), x, pos)
   t0 = time.perf_counter()
   state, loss = step_fn(state, x, y, pos, w)  # compile + first step
@@ -346,7 +346,7 @@ def train(args, mesh, attention, quiet=False):
     bar.update(losses[0])
   times = []
   for i in range(1, args.steps):
-    batch = tuple(map(put, _batch(args, None, i, n_ctx)))
+    batch = tuple(map(put, make_batch(args, None, i, n_ctx)))
     t = time.perf_counter()
     state, loss = step_fn(state, *batch)
     loss = float(loss)  # syncs: the step time includes the whole step
@@ -431,7 +431,7 @@ def main(argv=None):
   import jax_fa3
   from jax_fa3 import _native
   on_gpu = (not n_cpu) and _native.available() and _native.sm90_gpu_present()
-  args = _parse(argv, on_gpu)
+  args = parse_args(argv, on_gpu)
   backends = [b.strip() for b in args.attention.split(",") if b.strip()]
   for b in backends:
     if b not in ("fa3", "cudnn", "xla"):

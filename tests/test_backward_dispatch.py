@@ -2,7 +2,7 @@
 ``deterministic`` keyword and the per-configuration choice between the
 ``jax_fa3_bwd`` custom call and the reference backward, checked on the CUDA
 lowering (exported for platform "cuda" without a GPU)."""
-import _fa3_testutil as U  # noqa: F401  (XLA flags for the CPU suite)
+import fa3_testing as U  # noqa: F401
 
 import jax
 import jax.numpy as jnp

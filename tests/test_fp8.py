@@ -2,7 +2,6 @@
 Hadamard rotation, validation, the reference (emulated) precision="fp8" path
 and its straight-through gradient.  The kernels themselves are tested in
 tests/test_gpu_fp8.py."""
-import _fa3_testutil  # noqa: F401  (XLA flags for a fast CPU suite)
 
 import numpy as np
 import pytest

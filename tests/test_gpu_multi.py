@@ -2,7 +2,7 @@
 
 Every local GPU (any count >= 2; meshes are derived from the count) runs the
 FA3 kernels sharded over batch, heads and sequence -- the partitioned call
-under ``jit`` (``jax_fa3.attention`` -> ``sharding.fa3_attention``, ring
+under ``jit`` (``jax_fa3.attention`` -> the partitioned kernel calls of ``sharding``, ring
 attention inside the partition for a sharded sequence) and
 ``jax_fa3.ring_attention`` in ``shard_map`` (contiguous and zig-zag) -- in
 bf16 with GQA, causal and not.  Forward output and (dq, dk, dv) must
@@ -265,7 +265,7 @@ def test_sharded_flax_train_step_matches_single_gpu():
   if n % 2:
     pytest.skip("the context axis needs an even GPU count")
   data, context = n // 2, 2
-  args = demo._parse(LM_ARGS + ["--batch", str(2 * data)], on_gpu=True)
+  args = demo.parse_args(LM_ARGS + ["--batch", str(2 * data)], on_gpu=True)
 
   def run(data, context, devices):
     args.data, args.tensor, args.context = data, 1, context
@@ -273,7 +273,7 @@ def test_sharded_flax_train_step_matches_single_gpu():
                 ("data", "tensor", "context"))
     model, init_fn, step_fn, data_sh = demo.make_train_step(args, mesh, "fa3")
     batches = [tuple(jax.device_put(a, data_sh)
-                     for a in demo._batch(args, None, i, context))
+                     for a in demo.make_batch(args, None, i, context))
                for i in range(args.steps)]
     x, _, pos, _ = batches[0]
     state = init_fn(jax.random.key(0), x, pos)

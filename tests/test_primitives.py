@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa3 import core, primitives as P, reference as R
-from _fa3_testutil import close, nn_attention, rand
+from fa3_testing import close, nn_attention, rand
 
 B, T, S, N, K, H = 2, 9, 13, 4, 2, 8
 ATTRS = dict(scale=0.3, softcap=0.0, window_left=-1, window_right=0)

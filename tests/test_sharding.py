@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from _fa3_testutil import close  # noqa: F401  (sets the CPU test XLA flags)
-from _gpu_ref import assert_fa3_tolerance
+from fa3_testing import close  # noqa: F401
+from host_reference import assert_fa3_tolerance
 import jax_fa3
 from jax_fa3 import _native, core, primitives, ring, sharding
 
@@ -365,7 +365,7 @@ def test_sharded_flax_train_step_matches_single_device(attention):
   # xla: the demo's baseline under a context axis (sequence gathered in
   # shard_map, natural order) must train exactly like one device too.
   from jax_fa3 import demo
-  args = demo._parse(["--steps", "2", "--seq-len", "32", "--batch", "4",
+  args = demo.parse_args(["--steps", "2", "--seq-len", "32", "--batch", "4",
                       "--layers", "1", "--period", "8"], on_gpu=False)
 
   def run(data, tensor, context, devices):
@@ -379,7 +379,7 @@ def test_sharded_flax_train_step_matches_single_device(attention):
     state = None
     for i in range(2):
       x, y, pos, w = (jax.device_put(a, data_sh)
-                      for a in demo._batch(args, None, i, n_ctx))
+                      for a in demo.make_batch(args, None, i, n_ctx))
       if state is None:
         state = init_fn(jax.random.key(0), x, pos)
       state, loss = step_fn(state, x, y, pos, w)
