@@ -22,6 +22,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../common/kernel_common.h"
+#include "../common/traits_common.h"
 
 #include "params.h"
 
@@ -138,9 +139,7 @@ struct BwdTraits {
   // dS: (m, n), K-major A operand of dQ = dS K; written through the
   // transposed view (n, m) that matches the dP^T accumulator, which is also
   // the MN-major A operand of the staged path's dK GEMM (and, for P, dV's).
-  using SmemAtomdS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockM>, Int<kBlockN>>());
-  using SmemLayoutdS = decltype(tile_to_shape(SmemAtomdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutdS = SmemTileKMajor<Element, kBlockM, kBlockN>;
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
 
@@ -209,18 +208,15 @@ struct BwdTraits {
   using LayoutSeq = SeqLayout<kHeadDim>;
 
   static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kBlockM, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, take<0, 2>(SmemLayoutQ{}));
   }
   static auto make_tma_kv(const Element* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kBlockN, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, SmemLayoutK{});
   }
   // dK and dV leave through TMA stores out of the K and V buffers, which are
   // free once every GEMM of the CTA has retired (same shape and swizzle).
   static auto make_tma_dkv(Element* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kBlockN, kHeadDim>(SM90_TMA_STORE{}, ptr, layout, SmemLayoutK{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));

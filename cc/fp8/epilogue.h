@@ -8,7 +8,6 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
 #include "traits.h"
 #include "../fwd/tile_scheduler.h"
 #include "../common/utils.h"

@@ -12,14 +12,12 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cute/atom/mma_atom.hpp>
-#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
-#include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../common/kernel_common.h"
+#include "../common/traits_common.h"
 
 #include "params.h"
 
@@ -93,34 +91,18 @@ struct Fp8FwdTraits {
                     (65536 / kNumThreads) / 8 * 8 * kNumThreads,
                 "setmaxnreg budgets exceed the CTA's launch register pool: the kernel would hang");
 
-  using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
   // S = Q K^T: SS QGMMA, both K-major. FP32 accumulation on purpose: e4m3
   // operands scaled to +-448 give products up to 2e5 > 65504 (F16's range),
   // and an 11-bit mantissa over d terms adds ~sqrt(d) * 2^-11 relative score
   // error before exp().
-  using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum,
-                           Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-      AtomLayoutMNK{}));
+  using TiledMmaQK = FwdTiledMmaQK<Element, kNumMmaWarpGroups, kBlockN, kHeadDim>;
   // O += P V: P from registers, V^T K-major (the transposed copy).
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum,
-                           Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::K>(),
-      AtomLayoutMNK{}));
+  using TiledMmaPV = FwdTiledMmaPV<Element, kNumMmaWarpGroups, kBlockN, kHeadDim, GMMA::Major::K>;
 
-  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
-  using SmemLayoutK = decltype(tile_to_shape(
-      SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQ = SmemTileKMajor<Element, kBlockM, kHeadDim>;
+  using SmemLayoutK = SmemRingKMajor<Element, kBlockN, kHeadDim, kStages>;
   // V^T: (d, n), n contiguous, with the n order permuted (see mainloop.h).
-  using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kHeadDim>, Int<kBlockN>>());
-  using SmemLayoutVt = decltype(tile_to_shape(
-      SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesVt>>{}));
+  using SmemLayoutVt = SmemRingKMajor<Element, kHeadDim, kBlockN, kStagesVt>;
   // The V ring as TMA writes it, (n, d, stage): V itself (d contiguous), or
   // with kVtInGmem the V^T tiles seen through an (n, d) view (n contiguous),
   // so the producer's (n, d) tiling serves both.
@@ -129,9 +111,7 @@ struct Fp8FwdTraits {
           Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}, Step<_2, _1, _3>{}))),
       SmemLayoutK>;
 
-  using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, ElementO, Int<kBlockM>, Int<kHeadDim>>());
-  using SmemLayoutO = decltype(tile_to_shape(SmemAtomO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutO = SmemTileKMajor<ElementO, kBlockM, kHeadDim>;
 
   using PipelineQ = cutlass::PipelineTmaAsync<1>;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
@@ -159,20 +139,17 @@ struct Fp8FwdTraits {
   using ShapeSeq = Shape<int32_t, Int<kHeadDim>, int32_t, int32_t>;
 
   static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kBlockM, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, SmemLayoutQ{});
   }
   static auto make_tma_kv(const Element* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kBlockN, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, take<0, 2>(SmemLayoutK{}));
   }
   // V: the (n, d) tiles of V, or with kVtInGmem of V^T in global memory,
   // (s, d, kh, b) with stride (1, fp8_vt_seq(s), d * fp8_vt_seq(s), ...).
   using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
   using LayoutV = std::conditional_t<VtInGmem, Layout<ShapeSeq, StrideVt>, LayoutSeq>;
   static auto make_tma_v(const Element* ptr, LayoutV layout) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         take<0, 2>(SmemLayoutV{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kBlockN, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, take<0, 2>(SmemLayoutV{}));
   }
   // Where the consumers read V^T tiles.
   CUTE_HOST_DEVICE static Element* vt_data(SharedStorage& smem) {
@@ -184,8 +161,7 @@ struct Fp8FwdTraits {
   static constexpr int kRowsPerWG = 64;
   using SmemLayoutOWG = decltype(get<0>(zipped_divide(SmemLayoutO{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{})));
   static auto make_tma_o(ElementO* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         SmemLayoutOWG{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kRowsPerWG, kHeadDim>(SM90_TMA_STORE{}, ptr, layout, SmemLayoutOWG{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));

@@ -4,14 +4,12 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cute/atom/mma_atom.hpp>
-#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
-#include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../common/kernel_common.h"
+#include "../common/traits_common.h"
 
 namespace jax_fa3 {
 
@@ -69,30 +67,13 @@ struct FwdTraits {
                     kLaunchRegs * (kNumMmaThreads + cutlass::NumThreadsPerWarpGroup),
                 "setmaxnreg budgets exceed the CTA's register pool");
 
-  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
-  using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+  // S = Q K^T (SS) and O += P V with P in registers (RS); V is read through
+  // a transposed (MN-major) view of the same shared-memory tile TMA wrote.
+  using TiledMmaQK = FwdTiledMmaQK<Element, kNumMmaWarpGroups, kBlockN, kHeadDim>;
+  using TiledMmaPV = FwdTiledMmaPV<Element, kNumMmaWarpGroups, kBlockN, kHeadDim, GMMA::Major::MN>;
 
-  // S = Q K^T: both operands K-major in shared memory (SS).
-  using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum,
-                           Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-      AtomLayoutMNK{}));
-  // O += P V: P stays in registers (RS); V is read through a transposed
-  // (MN-major) view of the same shared-memory tile TMA wrote.
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum,
-                           Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      AtomLayoutMNK{}));
-
-  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-      GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
-  using SmemLayoutK = decltype(tile_to_shape(
-      SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQ = SmemTileKMajor<Element, kBlockM, kHeadDim>;
+  using SmemLayoutK = SmemRingKMajor<Element, kBlockN, kHeadDim, kStages>;
   using SmemLayoutV = SmemLayoutK;
   // (d, n, stage) -> V(n, d, stage): same bytes, viewed as the MN-major B operand.
   using SmemLayoutVt = decltype(composition(
@@ -138,12 +119,10 @@ struct FwdTraits {
   using LayoutSeq = SeqLayout<kHeadDim>;
 
   static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kBlockM, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, SmemLayoutQ{});
   }
   static auto make_tma_kv(const Element* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kBlockN, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, take<0, 2>(SmemLayoutK{}));
   }
   // Each consumer warpgroup stores its own 64 rows of O (epilogue.h): the
   // store box is one warpgroup's slice of the O tile, same swizzle and strides.
@@ -151,8 +130,7 @@ struct FwdTraits {
   static constexpr int kRowsPerWG = 64;
   using SmemLayoutOWG = decltype(get<0>(zipped_divide(SmemLayoutO{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{})));
   static auto make_tma_o(Element* ptr, LayoutSeq layout) {
-    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout),
-                         SmemLayoutOWG{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{}, _1{});
+    return make_tile_tma<kRowsPerWG, kHeadDim>(SM90_TMA_STORE{}, ptr, layout, SmemLayoutOWG{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
