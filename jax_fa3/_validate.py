@@ -181,3 +181,35 @@ def kernel_blocker(dtype, head_dim, native):
     return (f"head_dim {head_dim} with dtype {dtype.name} was not compiled "
             f"into the kernels (compiled: {sorted(configs)})")
   return None
+
+
+def _check_ids(ids, name, batch, length, form):
+  ids = as_array(ids, name)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer (int32) array of shape "
+                     f"{form}, got dtype {ids.dtype}")
+  if ids.ndim != 2 or ids.shape[1] != length:
+    raise ValueError(f"{name} must have shape {form}=({batch}, {length}), "
+                     f"got {ids.shape}")
+  if ids.shape[0] != batch:
+    raise ValueError(f"{name} batch size {ids.shape[0]} does not match the "
+                     f"query/key/value batch size {batch}")
+  return ids.astype(jnp.int32)
+
+
+def check_segment_ids(q_segment_ids, kv_segment_ids, B, T, S):
+  """Segment ids of packed sequences -> None or (q int32 [B,T], kv int32
+  [B,S]); kv_segment_ids defaults to q_segment_ids when T == S."""
+  if q_segment_ids is None:
+    if kv_segment_ids is not None:
+      raise ValueError("kv_segment_ids needs q_segment_ids (give both, or "
+                       "q_segment_ids alone when T == S)")
+    return None
+  q_ids = _check_ids(q_segment_ids, "q_segment_ids", B, T, "[B, T]")
+  if kv_segment_ids is None:
+    if T != S:
+      raise ValueError(f"kv_segment_ids must be given when the query and "
+                       f"key/value lengths differ (T={T}, S={S}); it "
+                       "defaults to q_segment_ids only when T == S")
+    return q_ids, q_ids
+  return q_ids, _check_ids(kv_segment_ids, "kv_segment_ids", B, S, "[B, S]")

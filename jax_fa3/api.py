@@ -3,13 +3,14 @@
 
 Semantics (all entry points): query row ``i`` of batch ``b`` attends key ``j``
 iff ``i < q_len[b]``, ``j < kv_len[b]``, the (top-left aligned) causal / local
-window constraints hold, and (reference path only) ``mask`` is True.  Scores
+window constraints hold, and (reference path only) ``mask`` is True and the
+segment ids are equal (``q_segment_ids[b, i] == kv_segment_ids[b, j]``).  Scores
 are ``scale * q.k``, soft-capped as ``c * tanh(s / c)`` when ``softcap=c``.
 
 Difference from ``jax.nn.dot_product_attention``: a query row that is *not*
-padded but sees no key at all (e.g. a window or mask that excludes every key)
-outputs 0 here (its log-sum-exp residual is ``+inf``), whereas jax.nn outputs
-the mean of V.  Padded query rows (``i >= q_len[b]``) output 0 in both.
+padded but sees no key at all (e.g. a window, mask or segment id that excludes
+every key) outputs 0 here (its log-sum-exp residual is ``+inf``), whereas
+jax.nn outputs the mean of V.  Padded query rows (``i >= q_len[b]``) output 0 in both.
 
 Every entry point validates its arguments here, then runs
 :func:`jax_fa3.core.attention` (kernels or reference, one ``custom_vjp``).
@@ -49,35 +50,49 @@ def _check_mask_args(query_seq_lengths, key_value_seq_lengths,
   return q_lens, kv_lens, scale, wl, wr
 
 
-def _use_kernel(q, implementation, has_bias_or_mask):
-  """(16-bit kernel?, why not) for ``implementation``; raises for "fa3"
-  where the kernel cannot run."""
+def _not_on_kernel(bias, mask, segment_ids):
+  """The argument(s) the kernels cannot take yet (None if none)."""
+  if segment_ids is not None:
+    return "q_segment_ids/kv_segment_ids are"
+  if bias is not None or mask is not None:
+    return "bias/mask are"
+  return None
+
+
+def _use_kernel(q, implementation, unsupported=None):
+  """Whether the 16-bit kernel runs for ``implementation``; raises for "fa3"
+  where it cannot (``unsupported``: the arguments it cannot take)."""
   blocker = V.kernel_blocker(q.dtype, q.shape[-1], _native)
   if implementation == "fa3":
-    if has_bias_or_mask:
-      raise ValueError("bias/mask are not supported by implementation='fa3'; "
-                       "use implementation=None or 'reference'")
+    if unsupported is not None:
+      raise ValueError(f"{unsupported} not supported by implementation='fa3'"
+                       "; use implementation=None or 'reference'")
     if blocker is not None:
       raise ValueError(f"implementation='fa3' is not possible: {blocker}")
   return (implementation == "fa3" or (
-      implementation is None and blocker is None and not has_bias_or_mask))
+      implementation is None and blocker is None and unsupported is None))
 
 
 def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
-          implementation, deterministic=False):
+          implementation, deterministic=False, segment_ids=None):
   """Validated 4-D inputs -> (out [B,T,N,H], lse f32 [B,N,T])."""
-  has_bm = bias is not None or mask is not None
+  unsupported = _not_on_kernel(bias, mask, segment_ids)
   cfg = core.Config(scale=scale, softcap=softcap, window_left=wl,
                     window_right=wr, deterministic=deterministic,
-                    kernel=_use_kernel(q, implementation, has_bm),
+                    kernel=_use_kernel(q, implementation, unsupported),
                     block_k=_BLOCK_K)
-  return core.attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+  return core.attention(q, k, v, q_lens, kv_lens, bias, mask, cfg,
+                        segment_ids=segment_ids)
 
 
 def _fp8_config(q, softcap, implementation, wl, wr, scale, deterministic,
-                opts):
+                opts, has_segment_ids=False):
   """The precision="fp8" configuration (validated 16-bit inputs)."""
   block_scales, hadamard, seed = opts
+  if has_segment_ids and implementation == "fa3":
+    raise ValueError("q_segment_ids/kv_segment_ids are not supported by "
+                     "implementation='fa3'; use implementation=None or "
+                     "'reference'")
   if softcap:
     raise ValueError("softcap is not supported with precision='fp8'")
   if np.dtype(q.dtype) not in V.KERNEL_DTYPES:
@@ -85,11 +100,15 @@ def _fp8_config(q, softcap, implementation, wl, wr, scale, deterministic,
                      f"{q.dtype}")
   fp8.check_head_dim(q.shape[-1], hadamard)
   blocker = fp8.fp8_kernel_blocker(q.dtype, q.shape[-1])
+  if has_segment_ids and blocker is None:  # no kernel takes them yet
+    blocker = "the FP8 kernel does not support q_segment_ids yet"
   if implementation == "fa3" and blocker is not None:
     raise ValueError(f"implementation='fa3' is not possible: {blocker}")
   # The 16-bit kernel serves the straight-through gradient; for
   # implementation="fa3" a missing one is an error only when differentiating.
   blocker16 = V.kernel_blocker(q.dtype, q.shape[-1], _native)
+  if has_segment_ids and blocker16 is None:
+    blocker16 = "the 16-bit kernel does not support q_segment_ids yet"
   return core.Config(
       scale=scale, softcap=0.0, window_left=wl, window_right=wr,
       deterministic=deterministic,
@@ -105,7 +124,8 @@ def attention(query, key, value, *, scale=None, is_causal=False,
               local_window_size=None, query_seq_lengths=None,
               key_value_seq_lengths=None, softcap=None, precision=None,
               implementation=None, deterministic=False, fp8_block_scales=True,
-              fp8_hadamard=True, fp8_seed=0):
+              fp8_hadamard=True, fp8_seed=0, q_segment_ids=None,
+              kv_segment_ids=None):
   """FlashAttention-3 attention with the layout of ``jax.nn.dot_product_attention``.
 
   Args:
@@ -126,11 +146,18 @@ def attention(query, key, value, *, scale=None, is_causal=False,
       ``fp8_seed`` (the signs).
     implementation: None (kernel when supported, otherwise the reference),
       ``"fa3"`` (kernel or ValueError) or ``"reference"`` (pure JAX; with
-      ``precision="fp8"`` the emulation).
+      ``precision="fp8"`` the emulation).  With segment ids None takes the
+      reference (the emulation for FP8) and ``"fa3"`` raises ValueError.
     deterministic: if True, the backward kernel sums dQ over key blocks in a
       fixed order, so gradients are bit-identical run to run (slower: key
       blocks wait for their turn per query block).  The forward is always
       deterministic, and so is the reference backward.
+    q_segment_ids, kv_segment_ids: optional integer ``[B, T]`` and ``[B, S]``
+      (cast to int32) for packed sequences: query ``i`` sees key ``j`` only
+      where the ids are equal (any values, negative included).
+      ``kv_segment_ids`` defaults to ``q_segment_ids`` when ``T == S``.
+      Composes with every mask above; causal / window positions are the
+      row's global positions (top-left aligned), not per-segment ones.
 
   Returns:
     Array with ``query``'s shape and dtype.  Rows with no visible key are 0
@@ -145,14 +172,17 @@ def attention(query, key, value, *, scale=None, is_causal=False,
   deterministic = V.check_deterministic(deterministic)
   V.check_precision(precision)
   V.check_implementation(implementation, _OWN_IMPLS)
+  seg = V.check_segment_ids(q_segment_ids, kv_segment_ids, B, T, k.shape[1])
   if precision == "fp8":
     opts = fp8.check_fp8_options(fp8_block_scales, fp8_hadamard, fp8_seed)
     cfg = _fp8_config(q, softcap, implementation, wl, wr, scale,
-                      deterministic, opts)
-    return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)[0]
+                      deterministic, opts, has_segment_ids=seg is not None)
+    return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg,
+                          segment_ids=seg)[0]
   out, _ = _core(q, k, v, bias=None, mask=None, q_lens=q_lens,
                  kv_lens=kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
-                 implementation=implementation, deterministic=deterministic)
+                 implementation=implementation, deterministic=deterministic,
+                 segment_ids=seg)
   return out
 
 
@@ -374,7 +404,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
   cfg = core.Config(
       scale=V.check_scale(scale, H), softcap=V.check_softcap(softcap),
       window_left=-1, window_right=-1,
-      kernel=_use_kernel(q, implementation, False),
+      kernel=_use_kernel(q, implementation),
       ring=core.RingConfig(axis_name, n_dev, layout, is_causal),
       block_k=_BLOCK_K)
   out, lse = core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)

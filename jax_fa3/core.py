@@ -2,7 +2,7 @@
 
 :class:`Config` (static, hashable) says what runs: the 16-bit kernels
 (partitioned calls of :mod:`jax_fa3.sharding`) or the blockwise reference
-(the only path for ``bias`` / ``mask``); optionally FP8 for the forward, or
+(the only path for ``bias`` / ``mask`` / segment ids); optionally FP8 for the forward, or
 a ring over a ``shard_map`` axis (:mod:`jax_fa3.ring`).
 The backward is always the 16-bit one: for FP8 it is straight-through,
 evaluated at the unquantized inputs (the 16-bit forward is recomputed there
@@ -61,18 +61,26 @@ class Config:
                 window_left=self.window_left, window_right=self.window_right)
 
 
-def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config):
+def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
+              segment_ids=None):
   """Validated 4-D inputs -> ``(out [B,T,N,H], lse f32 [B,N,T])``.
 
+  ``segment_ids``: None or ``(q_ids int32 [B,T], kv_ids int32 [B,S])``
+  (packed sequences: query ``i`` sees key ``j`` only where the ids are
+  equal); like ``bias`` / ``mask`` it needs ``cfg.kernel`` False for now.
   ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
-  gradient (reference path), the lengths and ``mask`` do not."""
+  gradient (reference path), the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
   S = k.shape[1]
   if q_lens is None:
     q_lens = jnp.full((B,), T, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((B,), S, jnp.int32)
-  return _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+  if segment_ids is not None and (cfg.kernel or cfg.ring is not None or (
+      cfg.fp8 is not None and cfg.fp8.kernel)):
+    raise ValueError("segment ids are not supported by the kernels or ring "
+                     "attention yet (use the reference path)")
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg)
 
 
 def _local_fns(cfg):
@@ -89,7 +97,12 @@ def _ring_args(cfg):
           dict(scale=cfg.scale, softcap=cfg.softcap), _local_fns(cfg))
 
 
-def _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg):
+def _seg_kwargs(segment_ids):
+  q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+  return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+
+def _forward16(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg):
   if cfg.kernel_error is not None:
     raise ValueError(f"implementation='fa3' is not possible: "
                      f"{cfg.kernel_error}")
@@ -101,10 +114,11 @@ def _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg):
     return reference.varying_like(sharding.fa3_fwd(
         q, k, v, q_lens, kv_lens, **cfg.attrs), q, k, v, q_lens, kv_lens)
   return reference.attention_fwd(q, k, v, q_lens, kv_lens, bias=bias,
-                                 mask=mask, block_k=cfg.block_k, **cfg.attrs)
+                                 mask=mask, block_k=cfg.block_k,
+                                 **_seg_kwargs(segment_ids), **cfg.attrs)
 
 
-def _forward_fp8(q, k, v, q_lens, kv_lens, cfg):
+def _forward_fp8(q, k, v, q_lens, kv_lens, segment_ids, cfg):
   f = cfg.fp8
   # The kernel path has the pre-pass write V^T (fp8 module docstring).
   q8, k8, v8, qs, ks, vs = fp8.quantize_qkv(
@@ -113,27 +127,30 @@ def _forward_fp8(q, k, v, q_lens, kv_lens, cfg):
   return fp8.attention_quantized(
       q8, k8, v8, qs, ks, vs, q_lens, kv_lens, cfg.scale, cfg.window_left,
       cfg.window_right, q.dtype, "fa3" if f.kernel else "reference",
-      v_transposed=f.kernel)
+      v_transposed=f.kernel, **_seg_kwargs(segment_ids))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg):
+@partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg):
   if cfg.fp8 is not None:
-    return _forward_fp8(q, k, v, q_lens, kv_lens, cfg)
-  return _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+    return _forward_fp8(q, k, v, q_lens, kv_lens, segment_ids, cfg)
+  return _forward16(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg)
 
 
-def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, cfg):
-  out, lse = _attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg):
+  out, lse = _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids,
+                        cfg)
   saved = (None, None) if cfg.fp8 is not None else (out, lse)
-  return (out, lse), (q, k, v, q_lens, kv_lens, bias, mask) + saved
+  return (out, lse), (q, k, v, q_lens, kv_lens, bias, mask,
+                      segment_ids) + saved
 
 
 def _vjp_bwd(cfg, res, cts):
-  q, k, v, q_lens, kv_lens, bias, mask, out, lse = res
+  q, k, v, q_lens, kv_lens, bias, mask, segment_ids, out, lse = res
   dout, _ = cts
   if cfg.fp8 is not None:
-    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, segment_ids,
+                          cfg)
   if cfg.ring is not None:
     dq, dk, dv = ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                                *_ring_args(cfg))
@@ -148,8 +165,9 @@ def _vjp_bwd(cfg, res, cts):
   else:
     dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
         q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
-        block_k=cfg.block_k, **cfg.attrs)
-  return dq, dk, dv, None, None, dbias, None
+        block_k=cfg.block_k, **_seg_kwargs(segment_ids), **cfg.attrs)
+  dseg = None if segment_ids is None else (None, None)
+  return dq, dk, dv, None, None, dbias, None, dseg
 
 
 _attention.defvjp(_vjp_fwd, _vjp_bwd)

@@ -193,13 +193,14 @@ def _dequantize(x8, scales, block_rows):
 def emulate_fp8_attention(q8, k8, v8, q_scale, k_scale, v_scale, *, scale,
                           q_lens=None, kv_lens=None, window_left=-1,
                           window_right=-1, out_dtype=jnp.bfloat16,
-                          quantize_p=True):
+                          quantize_p=True, mask=None):
   """Pure-JAX emulation of the FP8 kernel on quantized inputs: dequantized
   operands, FP32 scores and softmax, P rounded to e4m3 as ``2**8 * exp(s -
   rowmax)`` (the kernel uses a lazily moved running max of its key blocks
   instead of the final one, and scales P by the power-of-two ratio of the V
   block's scale to the tile's largest), ``O = P V / sum(P)`` with the FP32 sum.  Dense ``T x S``
   scores: meant for tests and the accuracy table, not for long sequences.
+  ``mask``: optional bool ``[B|1, T, S]`` (True = attend; e.g. segment ids).
   Returns ``(out [B, T, N, H] out_dtype, lse f32 [B, N, T])``."""
   b, t, n, h = q8.shape
   s, kh = k8.shape[1], k8.shape[2]
@@ -217,6 +218,8 @@ def emulate_fp8_attention(q8, k8, v8, q_scale, k_scale, v_scale, *, scale,
     vis &= (j >= i - window_left)[None]
   if window_right >= 0:
     vis &= (j <= i + window_right)[None]
+  if mask is not None:
+    vis &= mask
   vis = vis[:, None, None]
   sc = jnp.where(vis, sc, -jnp.inf)
   m = jnp.max(sc, axis=-1, keepdims=True)
@@ -376,14 +379,19 @@ def check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
 
 
 def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
-                        wr, out_dtype, implementation, v_transposed=False):
+                        wr, out_dtype, implementation, v_transposed=False,
+                        q_segment_ids=None, kv_segment_ids=None):
   """Attention on validated e4m3 operands -> ``(out, lse)``: the FP8 kernel
   (partitioned) or, for ``implementation="reference"`` or where the kernel
   cannot run, the emulation.  ``v_transposed``: v8 is V^T from
-  ``quantize_qkv(..., use_kernel=True, v_transposed=True)``; kernel only."""
+  ``quantize_qkv(..., use_kernel=True, v_transposed=True)``; kernel only.
+  Segment ids (int32 ``[B,T]`` / ``[B,S]``, both or neither) run on the
+  emulation only (the kernel does not take them yet)."""
   b, t, n, h = q8.shape
   s = k8.shape[1]
   blocker = fp8_kernel_blocker(out_dtype, h)
+  if q_segment_ids is not None and blocker is None:
+    blocker = "the FP8 kernel does not support q_segment_ids yet"
   if v_transposed and (implementation == "reference" or blocker is not None):
     raise ValueError("a V^T operand needs the FP8 kernel: "
                      f"{blocker or 'implementation=reference'}")
@@ -395,9 +403,12 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
     return sharding.fp8_fwd(q8, k8, v8, qs, ks, vs, ql, kl, scale=scale,
                             window_left=wl, window_right=wr,
                             out_dtype=out_dtype, v_transposed=v_transposed)
+  mask = None
+  if q_segment_ids is not None:
+    mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
   return emulate_fp8_attention(q8, k8, v8, qs, ks, vs, scale=scale,
                                q_lens=q_lens, kv_lens=kv_lens, window_left=wl,
-                               window_right=wr, out_dtype=out_dtype)
+                               window_right=wr, out_dtype=out_dtype, mask=mask)
 
 
 def check_fp8_options(block_scales, hadamard, seed):

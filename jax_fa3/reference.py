@@ -9,7 +9,9 @@ CUDA kernels, so it implements *exactly* the kernel semantics:
 * Query row ``i`` of batch ``b`` attends key ``j`` iff ``i < q_lens[b]`` and
   ``j < kv_lens[b]`` and (``window_left < 0`` or ``j >= i - window_left``) and
   (``window_right < 0`` or ``j <= i + window_right``) (and, reference only,
-  ``mask[b, n, i, j]``).  Causal is ``window_right = 0`` (top-left aligned).
+  ``mask[b, n, i, j]``) (and, reference only, ``q_seg[b, i] == kv_seg[b, j]``
+  for segment ids of packed sequences).  Causal is ``window_right = 0``
+  (top-left aligned).
 * Scores ``s = scale * q.k``; with ``softcap = c > 0``: ``s = c * tanh(s / c)``;
   then (reference only) ``s += bias``; then masking.
 * A row with no visible key outputs 0 and its log-sum-exp is ``+inf``.
@@ -104,7 +106,7 @@ class _Setup:
   """Shapes, padding and the per-chunk score/mask computation."""
 
   def __init__(self, q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-               window_right, bias, mask, block_k):
+               window_right, bias, mask, block_k, q_seg=None, kv_seg=None):
     B, T, N, H = q.shape
     _, S, K, _ = k.shape
     if N % K:
@@ -128,6 +130,14 @@ class _Setup:
     self.wl, self.wr = int(window_left), int(window_right)
     self.bias = _grouped_bm(bias, N, K, s_pad)
     self.mask = _grouped_bm(mask, N, K, s_pad)
+    # Segment ids stay [B,T] / [B,S]: the [T, bk] equality mask is built per
+    # key chunk, never as a dense T x S array.  Padded keys are excluded by
+    # kv_lens, so their pad id does not matter.
+    self.q_seg = None if q_seg is None else jnp.asarray(q_seg, jnp.int32)
+    self.kv_seg = None
+    if kv_seg is not None:
+      self.kv_seg = jnp.pad(jnp.asarray(kv_seg, jnp.int32),
+                            [(0, 0), (0, s_pad - S)])
 
   def chunk_kv(self, start):
     kc = lax.dynamic_slice_in_dim(self.k, start, self.bk, axis=1)
@@ -144,6 +154,9 @@ class _Setup:
       ok = ok & (j >= i - self.wl)[None]
     if self.wr >= 0:
       ok = ok & (j <= i + self.wr)[None]
+    if self.q_seg is not None:
+      kv_seg = lax.dynamic_slice_in_dim(self.kv_seg, start, self.bk, axis=1)
+      ok = ok & (self.q_seg[:, :, None] == kv_seg[:, None, :])
     ok = ok[:, None, None]  # [B,1,1,T,bk]
     if self.mask is not None:
       ok = ok & _chunk(self.mask, start, self.bk)
@@ -164,7 +177,7 @@ class _Setup:
 
 def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
                   window_left=-1, window_right=-1, bias=None, mask=None,
-                  block_k=512):
+                  block_k=512, q_segment_ids=None, kv_segment_ids=None):
   """Blockwise attention forward.
 
   Args:
@@ -176,13 +189,15 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
       full), added to the (soft-capped) scores.
     mask: optional bool array broadcastable to ``[B,N,T,S]``; True = attend.
     block_k: key chunk size of the online softmax.
+    q_segment_ids, kv_segment_ids: optional int32 ``[B,T]`` and ``[B,S]``
+      (both or neither): query ``i`` sees key ``j`` only where they are equal.
 
   Returns:
     ``(out, lse)``: ``out`` with q's shape and dtype; ``lse`` float32
     ``[B,N,T]`` (``+inf`` on rows with no visible key, whose output is 0).
   """
   st = _Setup(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-              window_right, bias, mask, block_k)
+              window_right, bias, mask, block_k, q_segment_ids, kv_segment_ids)
   B, T, K, G, H = st.B, st.T, st.K, st.G, st.H
 
   def body(carry, c):
@@ -203,7 +218,8 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   init = (jnp.full((B, K, G, T), -jnp.inf, _F32),
           jnp.zeros((B, K, G, T), _F32),
           jnp.zeros((B, T, K, G, H), _F32))
-  init = varying_like(init, q, k, v, q_lens, kv_lens, bias, mask)
+  init = varying_like(init, q, k, v, q_lens, kv_lens, bias, mask,
+                      q_segment_ids, kv_segment_ids)
   (m, l, acc), _ = lax.scan(body, init, jnp.arange(st.n_chunks))
   has = l > 0
   l_safe = jnp.where(has, l, 1.0)
@@ -217,13 +233,14 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
 def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
                              scale, softcap=0.0, window_left=-1,
                              window_right=-1, bias=None, mask=None,
-                             block_k=512):
+                             block_k=512, q_segment_ids=None,
+                             kv_segment_ids=None):
   """Like :func:`attention_bwd` but returns ``(dq, dk, dv, dbias)``.
 
   ``dbias`` has the (4-D) shape and dtype of ``bias`` (None without bias).
   """
   st = _Setup(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-              window_right, bias, mask, block_k)
+              window_right, bias, mask, block_k, q_segment_ids, kv_segment_ids)
   B, T, N, K, G, H, S = st.B, st.T, st.N, st.K, st.G, st.H, st.S
   dout_g = dout.reshape(B, T, K, G, H)
   lse_g = lse.reshape(B, K, G, T).astype(_F32)
@@ -264,7 +281,8 @@ def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
   db0 = (jnp.zeros(bshape[:4] + (1,), _F32)
          if bshape is not None and not bias_full_s else jnp.zeros((), _F32))
   init = varying_like((jnp.zeros((B, T, K, G, H), _F32), db0), q, k, v,
-                       out, lse, dout, q_lens, kv_lens, bias, mask)
+                       out, lse, dout, q_lens, kv_lens, bias, mask,
+                       q_segment_ids, kv_segment_ids)
   (dq, db_acc), (dk, dv, db_chunks) = lax.scan(body, init,
                                                jnp.arange(st.n_chunks))
 
@@ -290,7 +308,8 @@ def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
 
 def attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale,
                   softcap=0.0, window_left=-1, window_right=-1, bias=None,
-                  mask=None, block_k=512):
+                  mask=None, block_k=512, q_segment_ids=None,
+                  kv_segment_ids=None):
   """Blockwise attention backward (recomputes P from ``lse``).
 
   ``delta = rowsum(dout * out)`` (float32), ``dS = P * (dP - delta)``; dk/dv
@@ -300,12 +319,13 @@ def attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale,
   dq, dk, dv, _ = attention_bwd_with_dbias(
       q, k, v, out, lse, dout, q_lens, kv_lens, scale=scale, softcap=softcap,
       window_left=window_left, window_right=window_right, bias=bias,
-      mask=mask, block_k=block_k)
+      mask=mask, block_k=block_k, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids)
   return dq, dk, dv
 
 
 def reference_attention(q, k, v, q_lens, kv_lens, bias, mask, scale, softcap,
-                        window_left, window_right, block_k):
+                        window_left, window_right, block_k, segment_ids=None):
   """Differentiable reference returning ``(out, lse)``: the reference path of
   :func:`jax_fa3.core.attention` (its ``custom_vjp`` gives the blockwise
   :func:`attention_bwd_with_dbias`, memory O(T*block_k), rather than
@@ -313,4 +333,5 @@ def reference_attention(q, k, v, q_lens, kv_lens, bias, mask, scale, softcap,
   from jax_fa3 import core  # core builds on this module
   cfg = core.Config(scale, softcap, window_left, window_right,
                     block_k=block_k)
-  return core.attention(q, k, v, q_lens, kv_lens, bias, mask, cfg)
+  return core.attention(q, k, v, q_lens, kv_lens, bias, mask, cfg,
+                        segment_ids=segment_ids)
