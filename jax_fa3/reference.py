@@ -133,6 +133,8 @@ class _Setup:
     # Segment ids stay [B,T] / [B,S]: the [T, bk] equality mask is built per
     # key chunk, never as a dense T x S array.  Padded keys are excluded by
     # kv_lens, so their pad id does not matter.
+    if (q_seg is None) != (kv_seg is None):
+      raise ValueError("q_segment_ids and kv_segment_ids go together")
     self.q_seg = None if q_seg is None else jnp.asarray(q_seg, jnp.int32)
     self.kv_seg = None
     if kv_seg is not None:

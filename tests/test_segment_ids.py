@@ -294,3 +294,22 @@ def test_fa3_names_segment_ids(precision):
   with pytest.raises(ValueError, match="q_segment_ids.*implementation='fa3'"):
     jax_fa3.attention(q, k, v, q_segment_ids=ids, implementation="fa3",
                       precision=precision)
+
+
+def test_sharded_batch_and_sequence():
+  # Under jit over a mesh (batch x sequence) the reference path must give
+  # the unsharded result: ids shard with their rows.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  cpus = jax.devices("cpu")
+  if len(cpus) < 4:
+    pytest.skip("needs 4 CPU devices")
+  mesh = Mesh(np.array(cpus[:4]).reshape(2, 2), ("d", "s"))
+  rng = np.random.default_rng(15)
+  q, k, v, w = rand(15, B=2, T=32, S=32, N=2, K=2, H=8)
+  ids = jnp.asarray(packed_ids(rng, 2, 32, 7))
+  f = jax.jit(lambda q, k, v, ids: jax_fa3.attention(
+      q, k, v, q_segment_ids=ids, is_causal=True))
+  want = f(q, k, v, ids)
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  got = f(*(put(x, P("d", "s")) for x in (q, k, v)), put(ids, P("d", "s")))
+  close(got, want)
