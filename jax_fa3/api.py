@@ -50,10 +50,8 @@ def _check_mask_args(query_seq_lengths, key_value_seq_lengths,
   return q_lens, kv_lens, scale, wl, wr
 
 
-def _not_on_kernel(bias, mask, segment_ids):
+def _not_on_kernel(bias, mask):
   """The argument(s) the kernels cannot take yet (None if none)."""
-  if segment_ids is not None:
-    return "q_segment_ids/kv_segment_ids are"
   if bias is not None or mask is not None:
     return "bias/mask are"
   return None
@@ -76,7 +74,7 @@ def _use_kernel(q, implementation, unsupported=None):
 def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
           implementation, deterministic=False, segment_ids=None):
   """Validated 4-D inputs -> (out [B,T,N,H], lse f32 [B,N,T])."""
-  unsupported = _not_on_kernel(bias, mask, segment_ids)
+  unsupported = _not_on_kernel(bias, mask)
   cfg = core.Config(scale=scale, softcap=softcap, window_left=wl,
                     window_right=wr, deterministic=deterministic,
                     kernel=_use_kernel(q, implementation, unsupported),
@@ -86,13 +84,9 @@ def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
 
 
 def _fp8_config(q, softcap, implementation, wl, wr, scale, deterministic,
-                opts, has_segment_ids=False):
+                opts):
   """The precision="fp8" configuration (validated 16-bit inputs)."""
   block_scales, hadamard, seed = opts
-  if has_segment_ids and implementation == "fa3":
-    raise ValueError("q_segment_ids/kv_segment_ids are not supported by "
-                     "implementation='fa3'; use implementation=None or "
-                     "'reference'")
   if softcap:
     raise ValueError("softcap is not supported with precision='fp8'")
   if np.dtype(q.dtype) not in V.KERNEL_DTYPES:
@@ -100,15 +94,11 @@ def _fp8_config(q, softcap, implementation, wl, wr, scale, deterministic,
                      f"{q.dtype}")
   fp8.check_head_dim(q.shape[-1], hadamard)
   blocker = fp8.fp8_kernel_blocker(q.dtype, q.shape[-1])
-  if has_segment_ids and blocker is None:  # no kernel takes them yet
-    blocker = "the FP8 kernel does not support q_segment_ids yet"
   if implementation == "fa3" and blocker is not None:
     raise ValueError(f"implementation='fa3' is not possible: {blocker}")
   # The 16-bit kernel serves the straight-through gradient; for
   # implementation="fa3" a missing one is an error only when differentiating.
   blocker16 = V.kernel_blocker(q.dtype, q.shape[-1], _native)
-  if has_segment_ids and blocker16 is None:
-    blocker16 = "the 16-bit kernel does not support q_segment_ids yet"
   return core.Config(
       scale=scale, softcap=0.0, window_left=wl, window_right=wr,
       deterministic=deterministic,
@@ -146,8 +136,7 @@ def attention(query, key, value, *, scale=None, is_causal=False,
       ``fp8_seed`` (the signs).
     implementation: None (kernel when supported, otherwise the reference),
       ``"fa3"`` (kernel or ValueError) or ``"reference"`` (pure JAX; with
-      ``precision="fp8"`` the emulation).  With segment ids None takes the
-      reference (the emulation for FP8) and ``"fa3"`` raises ValueError.
+      ``precision="fp8"`` the emulation).
     deterministic: if True, the backward kernel sums dQ over key blocks in a
       fixed order, so gradients are bit-identical run to run (slower: key
       blocks wait for their turn per query block).  The forward is always
@@ -176,7 +165,7 @@ def attention(query, key, value, *, scale=None, is_causal=False,
   if precision == "fp8":
     opts = fp8.check_fp8_options(fp8_block_scales, fp8_hadamard, fp8_seed)
     cfg = _fp8_config(q, softcap, implementation, wl, wr, scale,
-                      deterministic, opts, has_segment_ids=seg is not None)
+                      deterministic, opts)
     return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg,
                           segment_ids=seg)[0]
   out, _ = _core(q, k, v, bias=None, mask=None, q_lens=q_lens,

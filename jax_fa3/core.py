@@ -2,7 +2,7 @@
 
 :class:`Config` (static, hashable) says what runs: the 16-bit kernels
 (partitioned calls of :mod:`jax_fa3.sharding`) or the blockwise reference
-(the only path for ``bias`` / ``mask`` / segment ids); optionally FP8 for the forward, or
+(the only path for ``bias`` / ``mask``); optionally FP8 for the forward, or
 a ring over a ``shard_map`` axis (:mod:`jax_fa3.ring`).
 The backward is always the 16-bit one: for FP8 it is straight-through,
 evaluated at the unquantized inputs (the 16-bit forward is recomputed there
@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_fa3 import fp8, primitives, reference, ring, sharding
+from jax_fa3 import fp8, primitives, reference, ring, segments, sharding
 
 __all__ = ["Config", "FP8Config", "RingConfig", "attention", "BLOCK_K"]
 
@@ -67,7 +67,8 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
 
   ``segment_ids``: None or ``(q_ids int32 [B,T], kv_ids int32 [B,S])``
   (packed sequences: query ``i`` sees key ``j`` only where the ids are
-  equal); like ``bias`` / ``mask`` it needs ``cfg.kernel`` False for now.
+  equal); not with ring attention.  The kernels get them with their spans
+  (:mod:`jax_fa3.segments`), computed once here and kept for the backward.
   ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
   gradient (reference path), the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
@@ -76,10 +77,11 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
     q_lens = jnp.full((B,), T, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((B,), S, jnp.int32)
-  if segment_ids is not None and (cfg.kernel or cfg.ring is not None or (
-      cfg.fp8 is not None and cfg.fp8.kernel)):
-    raise ValueError("segment ids are not supported by the kernels or ring "
-                     "attention yet (use the reference path)")
+  if segment_ids is not None:
+    if cfg.ring is not None:
+      raise ValueError("segment ids are not supported by ring attention")
+    if cfg.kernel or (cfg.fp8 is not None and cfg.fp8.kernel):
+      segment_ids = segments.operands(*segment_ids)
   return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg)
 
 
@@ -98,7 +100,9 @@ def _ring_args(cfg):
 
 
 def _seg_kwargs(segment_ids):
-  q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+  """Reference keywords for ``segment_ids``: None, the ids pair, or the
+  kernels' four operands."""
+  q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids[:2]
   return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
 
@@ -112,7 +116,8 @@ def _forward16(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg):
     # The primitives' abstract eval drops shard_map's varying-axes type;
     # restore it so check_vma=True accepts results and cotangent types.
     return reference.varying_like(sharding.fa3_fwd(
-        q, k, v, q_lens, kv_lens, **cfg.attrs), q, k, v, q_lens, kv_lens)
+        q, k, v, q_lens, kv_lens, segs=segment_ids, **cfg.attrs),
+        q, k, v, q_lens, kv_lens)
   return reference.attention_fwd(q, k, v, q_lens, kv_lens, bias=bias,
                                  mask=mask, block_k=cfg.block_k,
                                  **_seg_kwargs(segment_ids), **cfg.attrs)
@@ -127,7 +132,7 @@ def _forward_fp8(q, k, v, q_lens, kv_lens, segment_ids, cfg):
   return fp8.attention_quantized(
       q8, k8, v8, qs, ks, vs, q_lens, kv_lens, cfg.scale, cfg.window_left,
       cfg.window_right, q.dtype, "fa3" if f.kernel else "reference",
-      v_transposed=f.kernel, **_seg_kwargs(segment_ids))
+      v_transposed=f.kernel, segs=segment_ids)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -158,7 +163,7 @@ def _vjp_bwd(cfg, res, cts):
   elif cfg.kernel:
     grads = sharding.fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype),
                              q_lens, kv_lens, deterministic=cfg.deterministic,
-                             **cfg.attrs)
+                             segs=segment_ids, **cfg.attrs)
     dq, dk, dv = (reference.varying_like(g, x)
                   for g, x in zip(grads, (q, k, v)))
     dbias = None
@@ -166,7 +171,7 @@ def _vjp_bwd(cfg, res, cts):
     dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
         q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
         block_k=cfg.block_k, **_seg_kwargs(segment_ids), **cfg.attrs)
-  dseg = None if segment_ids is None else (None, None)
+  dseg = None if segment_ids is None else (None,) * len(segment_ids)
   return dq, dk, dv, None, None, dbias, None, dseg
 
 

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import mlir
 
-from jax_fa3 import _native, _validate as V, primitives, sharding
+from jax_fa3 import _native, _validate as V, primitives, segments, sharding
 
 __all__ = ["quantize_fp8", "quantize_qkv", "attention_quantized",
            "emulate_fp8_attention", "hadamard_signs", "rotate",
@@ -290,13 +290,15 @@ def _quantize_emulation(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
   return (*outs, *scales)
 
 
-def _fwd_emulation(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *, scale,
+def _fwd_emulation(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *segs, scale,
                    window_left, window_right, out_dtype, v_transposed):
   if v_transposed:
     v8 = _from_vt_layout(v8, k8.shape[1])
+  q_ids, kv_ids = segments.ids_of(segs)
   return emulate_fp8_attention(
       q8, k8, v8, qs, ks, vs, scale=scale, q_lens=q_lens, kv_lens=kv_lens,
-      window_left=window_left, window_right=window_right, out_dtype=out_dtype)
+      window_left=window_left, window_right=window_right, out_dtype=out_dtype,
+      mask=None if q_ids is None else segments.dense_mask(q_ids, kv_ids))
 
 
 # Off CUDA the FP8 primitives are this emulation (as the 16-bit ones are the
@@ -380,18 +382,16 @@ def check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
 
 def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
                         wr, out_dtype, implementation, v_transposed=False,
-                        q_segment_ids=None, kv_segment_ids=None):
+                        segs=None):
   """Attention on validated e4m3 operands -> ``(out, lse)``: the FP8 kernel
   (partitioned) or, for ``implementation="reference"`` or where the kernel
   cannot run, the emulation.  ``v_transposed``: v8 is V^T from
   ``quantize_qkv(..., use_kernel=True, v_transposed=True)``; kernel only.
-  Segment ids (int32 ``[B,T]`` / ``[B,S]``, both or neither) run on the
-  emulation only (the kernel does not take them yet)."""
+  ``segs``: None, segment ids ``(q int32 [B,T], kv int32 [B,S])``, or
+  those with their spans (:func:`segments.operands`)."""
   b, t, n, h = q8.shape
   s = k8.shape[1]
   blocker = fp8_kernel_blocker(out_dtype, h)
-  if q_segment_ids is not None and blocker is None:
-    blocker = "the FP8 kernel does not support q_segment_ids yet"
   if v_transposed and (implementation == "reference" or blocker is not None):
     raise ValueError("a V^T operand needs the FP8 kernel: "
                      f"{blocker or 'implementation=reference'}")
@@ -400,12 +400,12 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
   if implementation != "reference" and blocker is None:
     ql = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens
     kl = jnp.full((b,), s, jnp.int32) if kv_lens is None else kv_lens
-    return sharding.fp8_fwd(q8, k8, v8, qs, ks, vs, ql, kl, scale=scale,
+    if segs is not None and len(segs) == 2:
+      segs = segments.operands(*segs)
+    return sharding.fp8_fwd(q8, k8, v8, qs, ks, vs, ql, kl, segs, scale=scale,
                             window_left=wl, window_right=wr,
                             out_dtype=out_dtype, v_transposed=v_transposed)
-  mask = None
-  if q_segment_ids is not None:
-    mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+  mask = None if segs is None else segments.dense_mask(*segs[:2])
   return emulate_fp8_attention(q8, k8, v8, qs, ks, vs, scale=scale,
                                q_lens=q_lens, kv_lens=kv_lens, window_left=wl,
                                window_right=wr, out_dtype=out_dtype, mask=mask)

@@ -11,7 +11,9 @@ batching rule.
 On CUDA they lower to the FFI custom calls (the contract is in ``cc/ffi``).
 On every other platform they lower to pure JAX (:mod:`jax_fa3.reference`;
 the FP8 pair to the emulation that :mod:`jax_fa3.fp8` registers), so the
-whole primitive path runs, and is tested, on CPU.  Static parameters are
+whole primitive path runs, and is tested, on CPU.  The attention primitives
+take the four segment-id operands of :mod:`jax_fa3.segments` after the
+lengths (empty arrays when there are none).  Static parameters are
 Python numbers in the primitive params and become ``np.float32`` /
 ``np.int32`` FFI attributes at lowering time.
 
@@ -30,7 +32,7 @@ from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_fa3 import _native, reference
+from jax_fa3 import _native, reference, segments
 
 __all__ = ["fa3_fwd_p", "fa3_bwd_p", "fp8_quantize_p", "fp8_fwd_p",
            "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd", "fold_vmap",
@@ -61,20 +63,27 @@ fp8_fwd_p = _primitive("fp8_fwd")
 
 
 # ------------------------------------------------------------------ binders
-def fa3_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0, window_left=-1,
-            window_right=-1):
-  """``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``."""
+def _segs(segs, batch):
+  return segments.absent(batch) if segs is None else tuple(segs)
+
+
+def fa3_fwd(q, k, v, q_lens, kv_lens, segs=None, *, scale, softcap=0.0,
+            window_left=-1, window_right=-1):
+  """``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``; ``segs``: the segment
+  operands (:func:`jax_fa3.segments.operands`) or None."""
   return tuple(fa3_fwd_p.bind(
-      q, k, v, q_lens, kv_lens, scale=float(scale), softcap=float(softcap),
+      q, k, v, q_lens, kv_lens, *_segs(segs, q.shape[0]), scale=float(scale),
+      softcap=float(softcap),
       window_left=int(window_left), window_right=int(window_right)))
 
 
-def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *, scale, softcap=0.0,
-            window_left=-1, window_right=-1, deterministic=False):
+def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, segs=None, *, scale,
+            softcap=0.0, window_left=-1, window_right=-1, deterministic=False):
   """``(dq, dk, dv)``; ``deterministic`` fixes the kernel's dQ summation
   order (bit-identical gradients run to run)."""
   return tuple(fa3_bwd_p.bind(
-      q, k, v, out, lse, dout, q_lens, kv_lens, scale=float(scale),
+      q, k, v, out, lse, dout, q_lens, kv_lens, *_segs(segs, q.shape[0]),
+      scale=float(scale),
       softcap=float(softcap), window_left=int(window_left),
       window_right=int(window_right), deterministic=bool(deterministic)))
 
@@ -89,11 +98,12 @@ def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
       hadamard=bool(hadamard), v_transposed=bool(v_transposed)))
 
 
-def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *, scale,
-            window_left, window_right, out_dtype, v_transposed):
+def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, segs=None,
+            *, scale, window_left, window_right, out_dtype, v_transposed):
   """``(out [B,T,N,H] out_dtype, lse f32 [B,N,T])``."""
   return tuple(fp8_fwd_p.bind(
       q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens,
+      *_segs(segs, q8.shape[0]),
       scale=float(scale), window_left=int(window_left),
       window_right=int(window_right), out_dtype=np.dtype(out_dtype),
       v_transposed=bool(v_transposed)))
@@ -109,7 +119,7 @@ def vt_shape(b, s, kh, h, block_kv):
   return (b, kh, h, _blocks(s, block_kv) * block_kv)
 
 
-def _fwd_shapes(q, k, v, q_lens, kv_lens, **_):
+def _fwd_shapes(q, k, v, q_lens, kv_lens, *_segs, **_):
   b, t, n, _h = q.shape
   return (_sds(q.shape, q.dtype), _sds((b, n, t), _F32))
 
@@ -129,7 +139,7 @@ def _quantize_shapes(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
           _sds((b, n, _blocks(t, block_q)), _F32), kv_scales, kv_scales)
 
 
-def _fp8_fwd_shapes(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *, out_dtype,
+def _fp8_fwd_shapes(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *_segs, out_dtype,
                     **_):
   b, t, n, _h = q8.shape
   return (_sds(q8.shape, out_dtype), _sds((b, n, t), _F32))
@@ -181,7 +191,7 @@ def bwd_split_scratch_floats(B, S, K, H) -> int:
   return BWD_MAX_SPLIT + slots * 2 * 128 * H
 
 
-def _bwd_kernel_shapes(q, k, v, out, lse, dout, q_lens, kv_lens, **_):
+def _bwd_kernel_shapes(q, k, v, out, lse, dout, q_lens, kv_lens, *_segs, **_):
   """dq, dk, dv, then the fp32/int32 scratch: dQ accumulator, delta, base-2
   LSE, semaphores, split key blocks' sums."""
   B, T, N, H = q.shape
@@ -216,15 +226,22 @@ def bwd_kernel_available(dtype, head_dim) -> bool:
           int(head_dim)) in _native.compiled_bwd_configs()
 
 
-def _reference_fwd(q, k, v, q_lens, kv_lens, **attrs):
-  return reference.attention_fwd(q, k, v, q_lens, kv_lens, **attrs)
+def segment_kwargs(segs):
+  """The reference's segment-id keywords for the four operands."""
+  q_ids, kv_ids = segments.ids_of(segs)
+  return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
 
-def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, deterministic,
-                   **attrs):
+def _reference_fwd(q, k, v, q_lens, kv_lens, *segs, **attrs):
+  return reference.attention_fwd(q, k, v, q_lens, kv_lens,
+                                 **segment_kwargs(segs), **attrs)
+
+
+def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *segs,
+                   deterministic, **attrs):
   del deterministic  # the reference's summation order is fixed
   return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                                 **attrs)
+                                 **segment_kwargs(segs), **attrs)
 
 
 _bwd_kernel = _ffi(BWD_TARGET, _bwd_kernel_shapes, _bwd_kernel_attrs, 3)

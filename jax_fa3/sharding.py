@@ -25,7 +25,8 @@ What is served locally:
   position-free or causal (no local window), ring attention runs inside the
   partition (:mod:`jax_fa3.ring`, contiguous layout: K/V rotate with
   ``ppermute``); otherwise, and always for FP8 (its scales are per block of
-  the whole sequence), the sequence is replicated (gathered);
+  the whole sequence) and with segment ids (their spans index the whole
+  sequence), the sequence is replicated (gathered);
 * head_dim: always replicated.
 """
 from __future__ import annotations
@@ -40,20 +41,24 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_fa3 import primitives, ring
+from jax_fa3 import primitives, ring, segments
 
 __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd"]
 
-# Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8).
-_FWD_RULE = "b t Q h, b s k h, b s k h, b, b -> b t Q h, b Q t"
-_BWD_RULE = ("b t Q h, b s k h, b s k h, b t Q h, b Q t, b t Q h, b, b "
-             "-> b t Q h, b s k h, b s k h")
+# Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
+# _SEG: the segment operands (ids i, j and span granules u, w of c = 4
+# values; empty arrays without segment ids, hence their own factors).
+_SEG = ", b i, b j, b u c, b w c"
+_FWD_RULE = "b t Q h, b s k h, b s k h, b, b" + _SEG + " -> b t Q h, b Q t"
+_BWD_RULE = ("b t Q h, b s k h, b s k h, b t Q h, b Q t, b t Q h, b, b" + _SEG +
+             " -> b t Q h, b s k h, b s k h")
 _QUANT_RULE = ("b t Q h, b s k h, b s k h, h, f -> b t Q h, b s k h, V, "
                "b Q x, b k y, b k y")
-_FP8_FWD_RULE = "b t Q h, b s k h, V, b Q x, b k y, b k y, b, b -> b t Q h, b Q t"
+_FP8_FWD_RULE = ("b t Q h, b s k h, V, b Q x, b k y, b k y, b, b" + _SEG +
+                 " -> b t Q h, b Q t")
 _V_LAYOUT = {False: "b s k h", True: "b k h z"}
-_SEQ_FREE = ("h",)
-_SEQ_REPLICATED = ("h", "t", "s", "x", "y", "z", "f")
+_SEQ_FREE = ("h", "i", "j", "u", "w", "c")
+_SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
 
 
 def _rule(template, operand_types, replicated, v_transposed=False):
@@ -155,6 +160,13 @@ class Plan:
     return self.ns(_entry(self.b))
 
   @property
+  def segs(self):
+    """The four segment operands: batch axes only."""
+    ids = self.ns(_entry(self.b), None)
+    spans = self.ns(_entry(self.b), None, None)
+    return (ids, ids, spans, spans)
+
+  @property
   def heads_major(self):
     """``[B, heads, ...]`` operands: FP8 scales, V^T."""
     return self.ns(_entry(self.b), _entry(self.n))
@@ -173,15 +185,20 @@ def _plan(arg_shapes, mesh, window_left=-1, window_right=-1, ring=True):
               arg_shapes[1].shape, window_left, window_right, ring)
 
 
+def _may_ring(arg_shapes, first_seg):
+  """A sharded sequence rings only without segment ids."""
+  return not segments.present(arg_shapes[first_seg:first_seg + 4])
+
+
 # ------------------------------------------------------------ 16-bit calls
 def _fwd_local(plan, scale, softcap, window_left, window_right):
-  def lower(q, k, v, q_lens, kv_lens):
-    if plan.p > 1:
+  def lower(q, k, v, q_lens, kv_lens, *segs):
+    if plan.p > 1:  # no segment ids (_may_ring)
       return ring.ring_fwd(q, k, v, q_lens, kv_lens, plan.axis, plan.p,
                            "contiguous", window_right == 0,
                            dict(scale=scale, softcap=softcap),
                            (primitives.fa3_fwd, primitives.fa3_bwd))
-    return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale,
+    return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, segs, scale=scale,
                               softcap=softcap, window_left=window_left,
                               window_right=window_right)
   return lower
@@ -191,37 +208,41 @@ def _bwd_local(plan, scale, softcap, window_left, window_right,
                deterministic):
   bwd = partial(primitives.fa3_bwd, deterministic=deterministic)
 
-  def lower(q, k, v, out, lse, dout, q_lens, kv_lens):
-    if plan.p > 1:
+  def lower(q, k, v, out, lse, dout, q_lens, kv_lens, *segs):
+    if plan.p > 1:  # no segment ids (_may_ring)
       return ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                            plan.axis, plan.p, "contiguous", window_right == 0,
                            dict(scale=scale, softcap=softcap),
                            (primitives.fa3_fwd, bwd))
-    return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, scale=scale,
+    return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, segs, scale=scale,
                softcap=softcap, window_left=window_left,
                window_right=window_right)
   return lower
 
 
-def _fwd_impl(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-              window_right):
-  return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, scale=scale,
+def _fwd_impl(q, k, v, q_lens, kv_lens, q_ids, kv_ids, q_spans, kv_spans,
+              scale, softcap, window_left, window_right):
+  return primitives.fa3_fwd(q, k, v, q_lens, kv_lens,
+                            (q_ids, kv_ids, q_spans, kv_spans), scale=scale,
                             softcap=softcap, window_left=window_left,
                             window_right=window_right)
 
 
 def _fwd_partition(scale, softcap, window_left, window_right, mesh,
                    arg_shapes, result_shape):
-  plan = _plan(arg_shapes, mesh, window_left, window_right)
+  plan = _plan(arg_shapes, mesh, window_left, window_right,
+               _may_ring(arg_shapes, 5))
   return (plan.mesh, _fwd_local(plan, scale, softcap, window_left,
                                 window_right),
-          (plan.q, plan.lse), (plan.q, plan.kv, plan.kv, plan.lens, plan.lens))
+          (plan.q, plan.lse),
+          (plan.q, plan.kv, plan.kv, plan.lens, plan.lens) + plan.segs)
 
 
-def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, scale, softcap,
-              window_left, window_right, deterministic):
+def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, q_ids, kv_ids,
+              q_spans, kv_spans, scale, softcap, window_left, window_right,
+              deterministic):
   return primitives.fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                            scale=scale, softcap=softcap,
+                            (q_ids, kv_ids, q_spans, kv_spans), scale=scale, softcap=softcap,
                             window_left=window_left,
                             window_right=window_right,
                             deterministic=deterministic)
@@ -229,12 +250,13 @@ def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, scale, softcap,
 
 def _bwd_partition(scale, softcap, window_left, window_right, deterministic,
                    mesh, arg_shapes, result_shape):
-  plan = _plan(arg_shapes, mesh, window_left, window_right)
+  plan = _plan(arg_shapes, mesh, window_left, window_right,
+               _may_ring(arg_shapes, 8))
   return (plan.mesh, _bwd_local(plan, scale, softcap, window_left,
                                 window_right, deterministic),
           (plan.q, plan.kv, plan.kv),
           (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q, plan.lens,
-           plan.lens))
+           plan.lens) + plan.segs)
 
 
 # --------------------------------------------------------------- FP8 calls
@@ -260,10 +282,11 @@ def _quant_partition(block_q, block_kv, hadamard, v_transposed, mesh,
           (plan.q, plan.kv, plan.kv, plan.replicated, plan.replicated))
 
 
-def _fp8_fwd_impl(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale,
-                  window_left, window_right, out_dtype, v_transposed):
+def _fp8_fwd_impl(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, q_ids, kv_ids,
+                  q_spans, kv_spans, scale, window_left, window_right,
+                  out_dtype, v_transposed):
   return primitives.fp8_fwd(q8, k8, v8, qs, ks, vs, q_lens, kv_lens,
-                            scale=scale, window_left=window_left,
+                            (q_ids, kv_ids, q_spans, kv_spans), scale=scale, window_left=window_left,
                             window_right=window_right, out_dtype=out_dtype,
                             v_transposed=v_transposed)
 
@@ -277,7 +300,7 @@ def _fp8_fwd_partition(scale, window_left, window_right, out_dtype,
   v8 = plan.heads_major if v_transposed else plan.kv
   hm = plan.heads_major
   return (plan.mesh, local, (plan.q, plan.lse),
-          (plan.q, plan.kv, v8, hm, hm, hm, plan.lens, plan.lens))
+          (plan.q, plan.kv, v8, hm, hm, hm, plan.lens, plan.lens) + plan.segs)
 
 
 # ------------------------------------------------------------ registration
@@ -292,7 +315,8 @@ def _partitioned(impl, n_static, partition, outs_of_plan, rule, plan_kw,
 
   def infer(*a):
     static, (mesh, arg_shapes, _) = a[:n_static], a[n_static:]
-    return outs_of_plan(_plan(arg_shapes, mesh, **plan_kw(*static)), *static)
+    return outs_of_plan(_plan(arg_shapes, mesh, **plan_kw(arg_shapes, *static)),
+                        *static)
 
   def sharding_rule(*a):
     static, (mesh, operand_types, _) = a[:n_static], a[n_static:]
@@ -321,38 +345,42 @@ _fwd = _partitioned(
     _fwd_impl, 4, _fwd_partition,
     lambda plan, *s: (plan.q, plan.lse),
     lambda ops, *s: _rule(_FWD_RULE, ops, _SEQ_FREE),
-    lambda scale, softcap, wl, wr: dict(window_left=wl, window_right=wr))
+    lambda shapes, scale, softcap, wl, wr: dict(
+        window_left=wl, window_right=wr, ring=_may_ring(shapes, 5)))
 _bwd = _partitioned(
     _bwd_impl, 5, _bwd_partition,
     lambda plan, *s: (plan.q, plan.kv, plan.kv),
     lambda ops, *s: _rule(_BWD_RULE, ops, _SEQ_FREE),
-    lambda scale, softcap, wl, wr, det: dict(window_left=wl,
-                                             window_right=wr))
+    lambda shapes, scale, softcap, wl, wr, det: dict(
+        window_left=wl, window_right=wr, ring=_may_ring(shapes, 8)))
 _quant = _partitioned(
     _quant_impl, 4, _quant_partition,
     lambda plan, bq, bkv, had, vt: _quant_shardings(plan, vt),
     lambda ops, bq, bkv, had, vt: _rule(_QUANT_RULE, ops, _SEQ_REPLICATED,
                                         vt),
-    lambda *s: dict(ring=False), n_per_batch=3)
+    lambda shapes, *s: dict(ring=False), n_per_batch=3)
 _fp8 = _partitioned(
     _fp8_fwd_impl, 5, _fp8_fwd_partition,
     lambda plan, *s: (plan.q, plan.lse),
     lambda ops, scale, wl, wr, dt, vt: _rule(_FP8_FWD_RULE, ops,
                                              _SEQ_REPLICATED, vt),
-    lambda *s: dict(ring=False))
+    lambda shapes, *s: dict(ring=False))
 
 
 def fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-            window_right):
-  """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``."""
-  return _fwd(q, k, v, q_lens, kv_lens, static=(
+            window_right, segs=None):
+  """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``; ``segs``:
+  :func:`segments.operands` or None."""
+  segs = segments.absent(q.shape[0]) if segs is None else segs
+  return _fwd(q, k, v, q_lens, kv_lens, *segs, static=(
       float(scale), float(softcap), int(window_left), int(window_right)))
 
 
 def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, scale, softcap,
-            window_left, window_right, deterministic=False):
+            window_left, window_right, deterministic=False, segs=None):
   """Partitioned :func:`primitives.fa3_bwd` -> ``(dq, dk, dv)``."""
-  return _bwd(q, k, v, out, lse, dout, q_lens, kv_lens, static=(
+  segs = segments.absent(q.shape[0]) if segs is None else segs
+  return _bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *segs, static=(
       float(scale), float(softcap), int(window_left), int(window_right),
       bool(deterministic)))
 
@@ -364,9 +392,12 @@ def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
       int(block_q), int(block_kv), bool(hadamard), bool(v_transposed)))
 
 
-def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *, scale,
-            window_left, window_right, out_dtype, v_transposed):
+def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens,
+            segs=None, *, scale, window_left, window_right, out_dtype,
+            v_transposed):
   """Partitioned :func:`primitives.fp8_fwd` -> ``(out, lse)``."""
-  return _fp8(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, static=(
+  segs = segments.absent(q8.shape[0]) if segs is None else segs
+  return _fp8(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *segs,
+              static=(
       float(scale), int(window_left), int(window_right), np.dtype(out_dtype),
       bool(v_transposed)))

@@ -84,6 +84,14 @@ def visible_mask(t, s, q_len, kv_len, causal, window) -> np.ndarray:
   return np.broadcast_to(m, (t, s))
 
 
+def _segment_mask(mask, segment_ids, b):
+  """``mask`` and equal segment ids of batch row ``b`` (None: no ids)."""
+  if segment_ids is None:
+    return mask
+  q_ids, kv_ids = (np.asarray(x) for x in segment_ids)
+  return mask & (q_ids[b][:, None] == kv_ids[b][None, :])
+
+
 def row_valid(b, t, s, q_lens, kv_lens, causal, window) -> np.ndarray:
   """bool [B, T]: inside q length and >= 1 visible key (closed form)."""
   i = np.arange(t)[None, :]
@@ -134,12 +142,13 @@ def _softmax_rows(l, mask, dtype):
 
 def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
                    causal=False, window=None, softcap=None,
-                   same=True) -> Refs:
+                   same=True, segment_ids=None) -> Refs:
   """float64 reference and input-dtype emulation (see module docstring).
 
   ``q, k, v``: numpy (or array-like) in bf16/fp16/f32.  ``window``: None or
   ``(left, right)`` (negative = unbounded).  ``same=False`` skips the
-  emulation (``same`` / ``lse_same`` are then None).
+  emulation (``same`` / ``lse_same`` are then None).  ``segment_ids``:
+  None or ``(q_ids [B,T], kv_ids [B,S])``: keys of other ids are masked.
   """
   q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
   dt = q.dtype
@@ -159,7 +168,8 @@ def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
   if T == 0 or S == 0:
     return Refs(ref64, out_s, lse64, lse_s, valid)
   for b in range(B):
-    mask = visible_mask(T, S, int(ql[b]), int(kl[b]), causal, window)
+    mask = _segment_mask(visible_mask(T, S, int(ql[b]), int(kl[b]), causal,
+                                      window), segment_ids, b)
     vrow = mask.any(axis=1)
     valid[b] = vrow
     if not vrow.any():
@@ -214,7 +224,8 @@ def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
 
 
 def attention_grad_refs(q, k, v, dout, q_lens=None, kv_lens=None, *,
-                        scale=None, causal=False, window=None, softcap=None):
+                        scale=None, causal=False, window=None, softcap=None,
+                        segment_ids=None):
   """Gradients (dq, dk, dv) of the attention output w.r.t. q, k, v.
 
   Returns ``(grads64, grads_same)``: float64 dense backward of the library
@@ -224,6 +235,7 @@ def attention_grad_refs(q, k, v, dout, q_lens=None, kv_lens=None, *,
   ``dV = P^T @ dO`` rounded to the input dtype (bf16 dots with f32
   accumulation), softmax / softcap / scale backward in f32 from the f32
   probabilities, ``dQ = dS @ K`` and ``dK = dS^T @ Q`` in f32 then rounded.
+  ``segment_ids`` as in :func:`attention_refs`.
   """
   q, k, v, dout = (np.asarray(x) for x in (q, k, v, dout))
   dt = q.dtype
@@ -237,7 +249,8 @@ def attention_grad_refs(q, k, v, dout, q_lens=None, kv_lens=None, *,
   g64 = [np.zeros(x.shape, np.float64) for x in (q, k, v)]
   gsm = [np.zeros(x.shape, np.float32) for x in (q, k, v)]
   for b in range(B):
-    mask = visible_mask(T, S, int(ql[b]), int(kl[b]), causal, window)
+    mask = _segment_mask(visible_mask(T, S, int(ql[b]), int(kl[b]), causal,
+                                      window), segment_ids, b)
     vrow = mask.any(axis=1)
     if not vrow.any():
       continue

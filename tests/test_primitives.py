@@ -7,7 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_fa3 import core, primitives as P, reference as R
+from jax_fa3 import core, primitives as P, reference as R, segments
 from fa3_testing import close, nn_attention, rand
 
 B, T, S, N, K, H = 2, 9, 13, 4, 2, 8
@@ -132,10 +132,20 @@ def test_cuda_lowering_is_ffi_custom_call():
   c = calls[0]
   assert "scale = 3.000000e-01 : f32" in c and "softcap = 0.000000e+00 : f32" in c
   assert "window_left = 5 : i32" in c and "window_right = 0 : i32" in c
-  # operands q, k, v, q_lens, kv_lens; results out (bf16) and lse (f32 B,N,T)
+  # operands q, k, v, q_lens, kv_lens, then the segment operands (empty
+  # without segment ids); results out (bf16) and lse (f32 B,N,T)
   assert re.search(r"\(tensor<2x9x4x8xbf16>, tensor<2x13x2x8xbf16>, "
-                   r"tensor<2x13x2x8xbf16>, tensor<2xi32>, tensor<2xi32>\) -> "
+                   r"tensor<2x13x2x8xbf16>, tensor<2xi32>, tensor<2xi32>, "
+                   r"tensor<2x0xi32>, tensor<2x0xi32>, tensor<2x0x4xi32>, "
+                   r"tensor<2x0x4xi32>\) -> "
                    r"\(tensor<2x9x4x8xbf16>, tensor<2x4x9xf32>\)", c), c
+  # with segment ids: ids [B,T] / [B,S] and spans per 16 positions
+  segs = segments.operands(jnp.zeros((B, T), jnp.int32),
+                           jnp.zeros((B, S), jnp.int32))
+  shlo = _cuda_hlo(lambda q, k, v, ql, kl, *sg: P.fa3_fwd(
+      q, k, v, ql, kl, sg, scale=0.3), q, k, v, ql, kl, *segs)
+  assert re.search(r"tensor<2xi32>, tensor<2x9xi32>, tensor<2x13xi32>, "
+                   r"tensor<2x1x4xi32>, tensor<2x1x4xi32>\) -> ", shlo), shlo
   # backward: the kernel where one was compiled for (dtype, head dim), else
   # the reference (tests/test_backward_dispatch.py covers both sides)
   ghlo = _cuda_hlo(jax.grad(lambda q: jnp.sum(

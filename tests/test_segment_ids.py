@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3 import _validate as V, fp8, reference as R
+from jax_fa3 import _validate as V, fp8, reference as R, segments
 
 from fa3_testing import close, rand
 
@@ -264,52 +264,121 @@ def test_validation(qi, ki, T, S, match):
 
 
 @pytest.mark.parametrize("precision", [None, "fp8"])
-def test_none_routes_to_reference(monkeypatch, precision):
-  # As if the kernels could run: segment ids must still pick the reference
-  # (the emulation for FP8), through the one core.attention call.
+def test_kernels_get_ids_and_spans(monkeypatch, precision):
+  # As if the kernels could run: segment ids go to them (no reference
+  # fallback), with the spans computed once in core.attention.
   from jax_fa3 import api, core
   monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
   monkeypatch.setattr(fp8, "fp8_kernel_blocker", lambda *a: None)
   seen = []
 
-  def spy(*a, segment_ids=None):
-    seen.append((a[-1], segment_ids))
+  def spy(*a):
+    seen.append((a[-1], a[-2]))
     return jnp.zeros(a[0].shape, a[0].dtype), None
-  monkeypatch.setattr(core, "attention", spy)
+  monkeypatch.setattr(core, "_attention", spy)
   q, k, v, _ = rand(14, B=1, T=16, S=16, N=2, K=2, H=16, dtype=jnp.bfloat16)
   ids = jnp.zeros((1, 16), jnp.int32)
-  jax_fa3.attention(q, k, v, q_segment_ids=ids, precision=precision)
+  jax_fa3.attention(q, k, v, q_segment_ids=ids, precision=precision,
+                    implementation="fa3")
   (cfg, seg), = seen
-  assert not cfg.kernel and (cfg.fp8 is None or not cfg.fp8.kernel)
-  assert seg[0] is seg[1]  # kv ids default to the query ids
-  seen.clear()
-  jax_fa3.attention(q, k, v, precision=precision)
-  assert seen[0][0].kernel and seen[0][1] is None
+  assert cfg.kernel and (cfg.fp8 is None or cfg.fp8.kernel)
+  q_ids, kv_ids, q_spans, kv_spans = seg
+  np.testing.assert_array_equal(q_ids, kv_ids)  # kv ids default to q's
+  assert q_spans.shape == kv_spans.shape == (1, 1, 4)
 
 
-@pytest.mark.parametrize("precision", [None, "fp8"])
-def test_fa3_names_segment_ids(precision):
-  q, k, v, _ = rand(13, B=1, T=16, S=16, N=2, K=2, H=16, dtype=jnp.bfloat16)
-  ids = jnp.zeros((1, 16), jnp.int32)
-  with pytest.raises(ValueError, match="q_segment_ids.*implementation='fa3'"):
-    jax_fa3.attention(q, k, v, q_segment_ids=ids, implementation="fa3",
-                      precision=precision)
+def _spans_bruteforce(a, b):
+  """NumPy spans of ``a``'s granules in ``b`` (jax_fa3.segments doc)."""
+  G, big = segments.GRANULE, 1 << 30
+  out = []
+  for g in range(-(-len(a) // G)):
+    lo, hi, flo, fhi = big, -big, -big, big
+    for i in range(g * G, min(len(a), (g + 1) * G)):
+      js = np.flatnonzero(b == a[i])
+      if len(js):
+        lo, hi = min(lo, js[0]), max(hi, js[-1] + 1)
+      run = len(js) > 0 and js[-1] - js[0] + 1 == len(js)
+      flo = max(flo, js[0] if run else big)
+      fhi = min(fhi, js[-1] + 1 if run else -big)
+    out.append((lo, hi, flo, fhi))
+  return np.array(out, np.int32)
 
 
-def test_sharded_batch_and_sequence():
-  # Under jit over a mesh (batch x sequence) the reference path must give
-  # the unsharded result: ids shard with their rows.
+@pytest.mark.parametrize("kind", ["packed", "random", "cross", "one"])
+def test_spans(kind):
+  rng = np.random.default_rng(len(kind))
+  if kind == "packed":
+    a = b = packed_ids(rng, 1, 101, 9)[0]
+  elif kind == "random":  # ids recur: no full spans for them
+    a = b = rng.integers(-3, 3, 75).astype(np.int32)
+  elif kind == "cross":  # some query ids have no key
+    a = np.sort(rng.integers(0, 6, 50)).astype(np.int32)
+    b = np.sort(rng.integers(2, 9, 83)).astype(np.int32)
+  else:
+    a = b = np.zeros(1, np.int32)
+  q_ids, kv_ids, q_spans, kv_spans = segments.operands(
+      jnp.asarray(a)[None], jnp.asarray(b)[None])
+  np.testing.assert_array_equal(q_spans[0], _spans_bruteforce(a, b))
+  np.testing.assert_array_equal(kv_spans[0], _spans_bruteforce(b, a))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_primitive_path_on_cpu(monkeypatch, causal):
+  # The kernels' path (core -> sharding -> primitives with the segment
+  # operands) lowers to the reference on XLA:CPU: it must equal the
+  # reference path, forward and gradients, also under vmap.
+  from jax_fa3 import api
+  rng = np.random.default_rng(3)
+  q, k, v, w = rand(3, B=2, T=40, S=40, N=4, K=2, H=16, dtype=jnp.bfloat16)
+  ids = jnp.asarray(packed_ids(rng, 2, 40, 5))
+
+  def run(impl):
+    att = lambda q, k, v, ids: jax_fa3.attention(  # noqa: E731
+        q, k, v, is_causal=causal, q_segment_ids=ids, implementation=impl)
+
+    def f(q, k, v, ids):
+      out, vjp = jax.vjp(lambda q, k, v: att(q, k, v, ids), q, k, v)
+      return out, vjp(w.astype(out.dtype))
+    return jax.jit(f)(q, k, v, ids), jax.jit(jax.vmap(att))(
+        q[:, None], k[:, None], v[:, None], ids[:, None])
+
+  want, want_v = run("reference")
+  monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
+  hlo = jax.jit(lambda q, k, v, ids: jax_fa3.attention(
+      q, k, v, q_segment_ids=ids, implementation="fa3")).lower(
+          q, k, v, ids).as_text()
+  assert "searchsorted" in hlo or "sort" in hlo  # the spans pre-pass ran
+  got, got_v = run("fa3")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    close(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
+          atol=2e-2)
+  close(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32),
+        rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_sharded_batch_and_sequence(monkeypatch, path):
+  # Under jit over a mesh (batch x sequence) both paths must give the
+  # unsharded result: ids shard with their rows, and the kernels' partition
+  # gathers the sequence (the spans index all of it) instead of ringing.
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax_fa3 import api
   cpus = jax.devices("cpu")
   if len(cpus) < 4:
     pytest.skip("needs 4 CPU devices")
   mesh = Mesh(np.array(cpus[:4]).reshape(2, 2), ("d", "s"))
   rng = np.random.default_rng(15)
-  q, k, v, w = rand(15, B=2, T=32, S=32, N=2, K=2, H=8)
+  dtype = jnp.float32
+  if path == "kernel":  # bf16 through the primitives (reference lowering)
+    monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
+    dtype = jnp.bfloat16
+  q, k, v, w = rand(15, B=2, T=32, S=32, N=2, K=2, H=8, dtype=dtype)
   ids = jnp.asarray(packed_ids(rng, 2, 32, 7))
   f = jax.jit(lambda q, k, v, ids: jax_fa3.attention(
       q, k, v, q_segment_ids=ids, is_causal=True))
   want = f(q, k, v, ids)
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   got = f(*(put(x, P("d", "s")) for x in (q, k, v)), put(ids, P("d", "s")))
-  close(got, want)
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  close(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
+        atol=tol)

@@ -12,11 +12,19 @@
 //  - KeyBlockMask (backward): the query blocks that see one key block, its
 //    deterministic dQ turn and split shares, and the element mask of an S^T tile.
 // Producers and consumers build the same view, so they agree on the block
-// range without talking to each other. Later rules (segment ids, block masks)
-// extend MaskRule; the views keep asking it for intervals.
+// range without talking to each other.
+//
+// Segment ids (packed sequences) add: key j is visible from query i only if
+// their ids are equal. A view narrows its block range to the spans the
+// pre-pass computed (SegmentView), skips the element mask on blocks that
+// every row sees whole, and compares ids on the others. apply() takes the
+// SegmentView from its caller, rebuilt from the kernel parameters there, so
+// the block loops keep no id pointers live in registers.
 #pragma once
 
+#include <climits>
 #include <cute/tensor.hpp>
+#include "../fwd/params.h"
 #include "utils.h"
 
 namespace jax_fa3 {
@@ -63,6 +71,69 @@ CUTE_HOST_DEVICE Interval blocks_of(Interval r) {
   return r.empty() ? Interval{0, 0} : Interval{r.lo / kBlock, (r.hi + kBlock - 1) / kBlock};
 }
 
+// The segment ids of one batch row seen from one side: rows are the block's
+// own positions (queries in the forward, keys in the backward), cols the
+// other side's.
+struct SegmentView {
+  const int32_t* row_ids = nullptr;  // [rows]; null: no segment ids
+  const int32_t* col_ids = nullptr;  // [cols]
+  const int4* spans = nullptr;       // [ceil(rows / kSegmentGranule)] (params.h)
+  int rows = 0, cols = 0;
+
+  template <class Params>
+  CUTE_DEVICE static SegmentView queries(const Params& p, int batch) {
+    const SegmentParams& s = p.seg;
+    if (s.q_ids == nullptr) { return {}; }
+    return {s.q_ids + int64_t(batch) * p.t, s.kv_ids + int64_t(batch) * p.s,
+            reinterpret_cast<const int4*>(s.q_spans) + int64_t(batch) * granules(p.t), p.t, p.s};
+  }
+  template <class Params>
+  CUTE_DEVICE static SegmentView keys(const Params& p, int batch) {
+    const SegmentParams& s = p.seg;
+    if (s.q_ids == nullptr) { return {}; }
+    return {s.kv_ids + int64_t(batch) * p.s, s.q_ids + int64_t(batch) * p.t,
+            reinterpret_cast<const int4*>(s.kv_spans) + int64_t(batch) * granules(p.s), p.s, p.t};
+  }
+  CUTE_HOST_DEVICE static int granules(int len) { return (len + kSegmentGranule - 1) / kSegmentGranule; }
+  CUTE_HOST_DEVICE bool active() const { return row_ids != nullptr; }
+
+  // Over rows [begin, end): the cols some row sees (`any`) and the cols
+  // every row sees (`all`). Without segment ids: everything, both.
+  CUTE_DEVICE void block(int begin, int end, Interval& any, Interval& all) const {
+    any = {INT_MIN, INT_MAX};
+    all = {INT_MIN, INT_MAX};
+    if (!active()) { return; }
+    any = {INT_MAX, INT_MIN};
+    const int g_end = granules(min(end, rows));
+    for (int g = begin / kSegmentGranule; g < g_end; ++g) {
+      const int4 sp = __ldg(spans + g);
+      any.lo = min(any.lo, sp.x); any.hi = max(any.hi, sp.y);
+      all.lo = max(all.lo, sp.z); all.hi = min(all.hi, sp.w);
+    }
+  }
+
+  // Masks the elements of a tile whose ids differ; row0 / col0: the tile's
+  // origin. Rows or cols past the arrays' ends read the last id (those are
+  // masked or dropped by the interval rule).
+  template <class TS, class TC>
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int row0, int col0) const {
+    Tensor s = as_rowcol(scores);
+    Tensor c = as_rowcol(coords);
+    int rid[size<0>(s)];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) { rid[r] = __ldg(row_ids + min(row0 + get<0>(c(r, 0)), rows - 1)); }
+    CUTLASS_PRAGMA_UNROLL
+    for (int col = 0; col < size<1>(s); ++col) {
+      const int cid = __ldg(col_ids + min(col0 + get<1>(c(0, col)), cols - 1));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) { s(r, col) = rid[r] == cid ? s(r, col) : -INFINITY; }
+    }
+  }
+};
+
+// Intersection of two ranges.
+CUTE_HOST_DEVICE Interval intersect(Interval a, Interval b) { return {max(a.lo, b.lo), min(a.hi, b.hi)}; }
+
 // Per row of an accumulator tile the visible columns form one interval [lo,
 // hi), so each element costs two compares and a select (one without a lower
 // bound). The element-wise short-circuit test this replaces compiled to a
@@ -90,17 +161,26 @@ CUTE_DEVICE void mask_rows(TS& scores, TC const& coords, RowInterval&& interval)
 template <int kBlockM, int kBlockN>
 struct QueryBlockMask {
   MaskRule rule;
+  Interval seg_all;  // keys every row of the block sees by segment id
   int m_start;  // first query row of the block
   int n_block_min, n_block_max;
 
-  CUTE_DEVICE QueryBlockMask(int m_block, int q_len, int kv_len, int left, int right)
+  CUTE_DEVICE QueryBlockMask(int m_block, int q_len, int kv_len, int left, int right, SegmentView segments = {})
       : rule{q_len, kv_len, left, right} {
     m_start = m_block * kBlockM;
     const int m_end = min(m_start + kBlockM, q_len);
-    const Interval keys = rule.key_range(m_start, m_end);
+    Interval seg_any;
+    segments.block(m_start, m_start + kBlockM, seg_any, seg_all);
+    const Interval keys = intersect(rule.key_range(m_start, m_end), seg_any);
     const Interval blocks = m_end <= m_start ? Interval{0, 0} : blocks_of<kBlockN>(keys);
     n_block_min = blocks.lo;
     n_block_max = blocks.hi;
+  }
+  // The view of query block m_block of batch row `batch` (FwdParams-like p).
+  template <class Params>
+  CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch) {
+    return QueryBlockMask(m_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
+                          p.window_right, SegmentView::queries(p, batch));
   }
 
   CUTE_DEVICE bool empty() const { return n_block_max <= n_block_min; }
@@ -109,20 +189,24 @@ struct QueryBlockMask {
   // Rows past q_len are not masked: the epilogue zeroes them.
   CUTE_DEVICE bool needs_mask(int n_block) const {
     int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
-    return col_last >= rule.kv_len ||
+    return col_last >= rule.kv_len || col_first < seg_all.lo || col_last >= seg_all.hi ||
            (rule.right >= 0 && col_last > m_start + rule.right) ||
            (rule.left >= 0 && col_first < m_start + kBlockM - 1 - rule.left);
   }
 
-  // S tile (rows = queries, cols = keys) of key block n_block.
+  // S tile (rows = queries, cols = keys) of key block n_block; seg: the
+  // block's SegmentView::queries.
   template <class TS, class TC>
-  CUTE_DEVICE void apply(TS& scores, TC const& coords, int n_block) const {
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int n_block, const SegmentView& seg) const {
     const int col0 = n_block * kBlockN;
     auto interval = [&](int row) { return rule.keys_of_row(m_start + row, col0); };
     if (rule.left >= 0) {
       mask_rows<true>(scores, coords, interval);
     } else {
       mask_rows<false>(scores, coords, interval);
+    }
+    if (seg.active() && (col0 < seg_all.lo || col0 + kBlockN > seg_all.hi)) {
+      seg.apply(scores, coords, m_start, col0);
     }
   }
 };
@@ -132,17 +216,31 @@ struct QueryBlockMask {
 template <int kBlockM, int kBlockN>
 struct KeyBlockMask {
   MaskRule rule;
+  Interval seg_all;  // queries that see every key of the block by segment id
   int n_start;  // first key of the block
   int m_block_min, m_block_max;
 
-  CUTE_DEVICE KeyBlockMask(int n_block, int q_len, int kv_len, int left, int right)
+  // narrow: skip query blocks whose segment ids cannot match. Deterministic
+  // dQ does not: its turns (dq_turn) count every key block the position rule
+  // lets visit a query block, so each of them must take its turn.
+  CUTE_DEVICE KeyBlockMask(int n_block, int q_len, int kv_len, int left, int right, SegmentView segments = {},
+                           bool narrow = true)
       : rule{q_len, kv_len, left, right} {
     n_start = n_block * kBlockN;
     const int n_end = min(n_start + kBlockN, kv_len);
-    const Interval rows = rule.row_range(n_start, n_end);
+    Interval seg_any;
+    segments.block(n_start, n_start + kBlockN, seg_any, seg_all);
+    Interval rows = rule.row_range(n_start, n_end);
+    if (narrow) { rows = intersect(rows, seg_any); }
     const Interval blocks = n_end <= n_start ? Interval{0, 0} : blocks_of<kBlockM>(rows);
     m_block_min = blocks.lo;
     m_block_max = blocks.hi;
+  }
+  // The view of key block n_block of batch row `batch` (BwdParams-like p).
+  template <class Params>
+  CUTE_DEVICE static KeyBlockMask of(const Params& p, int n_block, int batch, bool narrow) {
+    return KeyBlockMask(n_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
+                        p.window_right, SegmentView::keys(p, batch), narrow);
   }
 
   // A split key block (bwd/tile_scheduler.h): share `piece` of `pieces`
@@ -178,15 +276,16 @@ struct KeyBlockMask {
   CUTE_DEVICE bool needs_mask(int m_block) const {
     const int m_first = m_block * kBlockM, m_last = m_first + kBlockM - 1;
     const int n_last = n_start + kBlockN - 1;
-    return n_last >= rule.kv_len || m_last >= rule.q_len ||
+    return n_last >= rule.kv_len || m_last >= rule.q_len || m_first < seg_all.lo || m_last >= seg_all.hi ||
            (rule.right >= 0 && n_last > m_first + rule.right) ||
            (rule.left >= 0 && n_start < m_last - rule.left);
   }
 
   // S^T tile (rows = keys, cols = queries) of query block m_block: the
   // transposed rule's row intervals; a key past kv_len sees no query.
+  // seg: the block's SegmentView::keys.
   template <class TS, class TC>
-  CUTE_DEVICE void apply(TS& scores, TC const& coords, int m_block) const {
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int m_block, const SegmentView& seg) const {
     const int row0 = m_block * kBlockM;
     const MaskRule t = rule.transposed();
     mask_rows<true>(scores, coords, [&](int key) {
@@ -196,6 +295,9 @@ struct KeyBlockMask {
       iv.hi = j < rule.kv_len ? iv.hi : -kBlockM;
       return iv;
     });
+    if (seg.active() && (row0 < seg_all.lo || row0 + kBlockM > seg_all.hi)) {
+      seg.apply(scores, coords, n_start, row0);
+    }
   }
 };
 

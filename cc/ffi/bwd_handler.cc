@@ -39,8 +39,8 @@ bool same_dims(const A& a, const B& b) {
 
 ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
-                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, Ids q_ids, Ids kv_ids,
+                   Ids q_spans, Ids kv_spans, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                    ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
                    ffi::Result<ffi::Buffer<ffi::S32>> semaphore, ffi::Result<ffi::Buffer<ffi::F32>> dkv_split,
@@ -65,6 +65,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     return invalid(kWho, "inconsistent q/k/v/out/lse/dout shapes");
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
+  if (!set_segments(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "segment id / span shapes"); }
   if (dq_accum->element_count() != rows * p.d || delta->element_count() != rows ||
       lse_log2->element_count() != rows || semaphore->element_count() != rows / kBwdBlockM ||
       int64_t(dkv_split->element_count()) != bwd_split_scratch_floats(p.b, p.s, p.kh, p.d)) {
@@ -114,6 +115,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()           // dout
         .Arg<ffi::Buffer<ffi::S32>>()    // q_lens
         .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
+        .Arg<ffi::Buffer<ffi::S32>>()    // q segment ids [B, T] or empty
+        .Arg<ffi::Buffer<ffi::S32>>()    // kv segment ids [B, S] or empty
+        .Arg<ffi::Buffer<ffi::S32>>()    // q spans or empty
+        .Arg<ffi::Buffer<ffi::S32>>()    // kv spans or empty
         .Ret<ffi::AnyBuffer>()           // dq
         .Ret<ffi::AnyBuffer>()           // dk
         .Ret<ffi::AnyBuffer>()           // dv

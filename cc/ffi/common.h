@@ -45,6 +45,28 @@ inline bool lens_match(const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ff
   return q_lens.element_count() == size_t(b) && kv_lens.element_count() == size_t(b);
 }
 
+using Ids = ffi::Buffer<ffi::S32>;
+
+// Segment ids: all four buffers empty (none), or q_ids [B, T], kv_ids [B, S]
+// and their spans [B, ceil(T / 16), 4], [B, ceil(S / 16), 4] (params.h).
+// Call after set_dims. False when the shapes do not fit.
+template <class Params>
+bool set_segments(Params& p, const Ids& q_ids, const Ids& kv_ids, const Ids& q_spans, const Ids& kv_spans) {
+  if (q_ids.element_count() == 0 && kv_ids.element_count() == 0 && q_spans.element_count() == 0 &&
+      kv_spans.element_count() == 0) {
+    p.seg = SegmentParams{};
+    return true;
+  }
+  auto granules = [](int len) { return size_t(len + kSegmentGranule - 1) / kSegmentGranule; };
+  if (q_ids.element_count() != size_t(p.b) * p.t || kv_ids.element_count() != size_t(p.b) * p.s ||
+      q_spans.element_count() != size_t(p.b) * granules(p.t) * 4 ||
+      kv_spans.element_count() != size_t(p.b) * granules(p.s) * 4) {
+    return false;
+  }
+  p.seg = SegmentParams{q_ids.typed_data(), kv_ids.typed_data(), q_spans.typed_data(), kv_spans.typed_data()};
+  return true;
+}
+
 // b, t, n, d from q [B, T, N, H] and s, kh from k [B, S, K, H]; FwdParams and
 // BwdParams name them alike. Callers check rank 4 first.
 template <class Params>

@@ -89,7 +89,8 @@ const Fp8FwdKernelEntry* find_kernel(DType out_dtype, const Fp8FwdParams& fp) {
 ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::F32> q_scale, ffi::Buffer<ffi::F32> k_scale,
                       ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> q_lens,
-                      ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                      ffi::Buffer<ffi::S32> kv_lens, Ids q_ids, Ids kv_ids, Ids q_spans, Ids kv_spans,
+                      ffi::Result<ffi::AnyBuffer> o,
                       ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, int32_t window_left,
                       int32_t window_right, int32_t v_transposed) {
   constexpr const char* kWho = "jax_fa3_fp8_fwd";
@@ -111,6 +112,7 @@ ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
       : vd[0] == p.b && vd[1] == p.s && vd[2] == p.kh && vd[3] == p.d;
   if (!k_matches_q(p, k) || !v_ok) { return invalid(kWho, "inconsistent q/k/v shapes"); }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
+  if (!set_segments(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "segment id / span shapes"); }
   const int64_t block_n = kFp8BlockN;
   if (q_scale.element_count() != size_t(int64_t(p.b) * p.n * ceil_div(p.t, kFp8BlockM)) ||
       k_scale.element_count() != size_t(int64_t(p.b) * p.kh * ceil_div(p.s, block_n)) ||
@@ -172,6 +174,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::F32>>()  // v scales
         .Arg<ffi::Buffer<ffi::S32>>()  // q_lens
         .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+        .Arg<ffi::Buffer<ffi::S32>>()  // q segment ids [B, T] or empty
+        .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
+        .Arg<ffi::Buffer<ffi::S32>>()  // q spans or empty
+        .Arg<ffi::Buffer<ffi::S32>>()  // kv spans or empty
         .Ret<ffi::AnyBuffer>()         // out
         .Ret<ffi::Buffer<ffi::F32>>()  // lse
         .Attr<float>("scale")

@@ -67,8 +67,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       auto state_q = cutlass::make_producer_start_state<PipelineQ>();
       auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-        QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, min(p.q_lens[tile.batch], p.t),
-                                              min(p.kv_lens[tile.batch], p.s), p.window_left, p.window_right);
+        const auto mask = QueryBlockMask<kBlockM, kBlockN>::of(p, tile.m_block, tile.batch);
         producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
       }
       // Do not retire while loads this thread issued could still be landing.
@@ -90,8 +89,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
       const int q_len = min(p.q_lens[tile.batch], p.t);
-      QueryBlockMask<kBlockM, kBlockN> mask(tile.m_block, q_len, min(p.kv_lens[tile.batch], p.s),
-                                            p.window_left, p.window_right);
+      const auto mask = QueryBlockMask<kBlockM, kBlockN>::of(p, tile.m_block, tile.batch);
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax(scale_log2);
@@ -108,7 +106,8 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
           q_released = true;
         }
       };
-      mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, softcap, raw_to_x, pipe_k, pipe_v, state_kv,
+      auto segs = [&] { return SegmentView::queries(p, tile.batch); };
+      mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, segs, softcap, raw_to_x, pipe_k, pipe_v, state_kv,
                    softmax, acc_o, release_q);
       if (Traits::kSeparateO && !q_released) { release_q(); }  // an empty tile
       float lse[Mainloop::kRows];

@@ -7,6 +7,21 @@
 
 namespace jax_fa3 {
 
+// Packed sequences: query i sees key j only where q_ids[i] == kv_ids[j].
+// The spans summarize one side per granule of kSegmentGranule positions as
+// int32 {lo, hi, full_lo, full_hi}: the other side's positions that some row
+// of the granule sees lie in [lo, hi), and every row sees all of
+// [full_lo, full_hi) (empty where a row's id is not one contiguous run).
+// jax_fa3/segments.py writes them. All null: no segment ids.
+constexpr int kSegmentGranule = 16;
+
+struct SegmentParams {
+  const int32_t* q_ids = nullptr;     // [b, t]
+  const int32_t* kv_ids = nullptr;    // [b, s]
+  const int32_t* q_spans = nullptr;   // [b, ceil(t / kSegmentGranule), 4]: keys of query granules
+  const int32_t* kv_spans = nullptr;  // [b, ceil(s / kSegmentGranule), 4]: queries of key granules
+};
+
 struct FwdParams {
   // BTNH tensors, contiguous (XLA's default row-major layout).
   const void* q = nullptr;   // [b, t, n, d]
@@ -16,6 +31,7 @@ struct FwdParams {
   float* lse = nullptr;      // [b, n, t], natural log; +inf for rows that see no key
   const int32_t* q_lens = nullptr;   // [b] valid query rows per batch (clamped to t)
   const int32_t* kv_lens = nullptr;  // [b] valid key rows per batch (clamped to s)
+  SegmentParams seg;
 
   int b = 0, t = 0, s = 0, n = 0, kh = 0, d = 0;
   float scale = 1.f;

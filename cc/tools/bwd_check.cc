@@ -44,6 +44,8 @@ struct Case {
   float softcap = 0.f;
   bool lens = false;           // q_lens / kv_lens shorter than t / s
   bool deterministic = false;  // also: two runs must be bit-identical
+  int docs = 0;                // segment ids: documents per row (0: none)
+  bool scattered = false;      // ids at random instead of contiguous documents
 };
 
 // Device memory of one problem: inputs, forward outputs, gradients, scratch.
@@ -96,8 +98,10 @@ void poison_outputs(const Buffers& m) {
   CHECK_CUDA(cudaMemset(m.split, 0xFF, m.splits() * 4));
 }
 
-jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int right) {
+jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int right,
+                              const check_util::Segments& seg) {
   jax_fa3::FwdParams p;
+  seg.attach(p.seg);
   p.q = m.q; p.k = m.k; p.v = m.v; p.o = m.o; p.lse = m.lse; p.q_lens = m.ql; p.kv_lens = m.kl;
   p.b = m.b; p.t = m.t; p.s = m.s; p.n = m.n; p.kh = m.kh; p.d = m.d;
   p.scale = 1.f / std::sqrt(float(m.d)); p.softcap = softcap;
@@ -105,8 +109,10 @@ jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int rig
   return p;
 }
 
-jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int right, bool deterministic) {
+jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int right, bool deterministic,
+                              const check_util::Segments& seg) {
   jax_fa3::BwdParams p;
+  seg.attach(p.seg);
   p.q = m.q; p.k = m.k; p.v = m.v; p.o = m.o; p.dout = m.dout; p.lse = m.lse;
   p.q_lens = m.ql; p.kv_lens = m.kl;
   p.dq = m.dq; p.dk = m.dk; p.dv = m.dv;
@@ -130,7 +136,8 @@ struct Grads { std::vector<double> dq, dk, dv; };
 // contributes nothing and keeps dQ = 0 (the kernel's lse = +inf convention).
 Grads reference(const Case& c, int d, int right, const std::vector<double>& q, const std::vector<double>& k,
                 const std::vector<double>& v, const std::vector<double>& dout,
-                const std::vector<int32_t>& qlen, const std::vector<int32_t>& kvlen) {
+                const std::vector<int32_t>& qlen, const std::vector<int32_t>& kvlen,
+                const check_util::Segments& seg) {
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
   Grads g{std::vector<double>(nq), std::vector<double>(nk), std::vector<double>(nk)};
   const double scale = 1.0 / std::sqrt(double(d)), cap = c.softcap;
@@ -151,8 +158,10 @@ Grads reference(const Case& c, int d, int right, const std::vector<double>& q, c
           for (int e = 0; e < d; ++e) acc += q[qo + e] * k[kv_off(j) + e];
           x[j] = acc * scale;
           p[j] = cap > 0 ? cap * std::tanh(x[j] / cap) : x[j];  // the score s
+          if (!seg.same(b, i, j)) p[j] = -INFINITY;  // another segment: P = 0
           mx = std::max(mx, p[j]);
         }
+        if (std::isinf(mx)) continue;  // no visible key
         double sum = 0;
         for (int j = lo; j < hi; ++j) { p[j] = std::exp(p[j] - mx); sum += p[j]; }
         std::fill(o.begin(), o.end(), 0.0);
@@ -215,13 +224,14 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
 
   char what[200];
   std::snprintf(what, sizeof what, "%s d%d %s", bf16 ? "bf16" : "fp16", d, c.name);
-  const jax_fa3::FwdParams fp = fwd_params(m, c.softcap, c.left, right);
+  const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1);
+  const jax_fa3::FwdParams fp = fwd_params(m, c.softcap, c.left, right, seg);
   int err = jax_fa3_fwd_launch(&fp, dt, "default", nullptr);
   if (err == -1) { release(m); return Outcome::kNotCompiled; }
   CHECK_CUDA(cudaError_t(err));
   check_util::wait_or_die(kTag, (std::string("forward ") + what).c_str(), g_watchdog_s);
 
-  const jax_fa3::BwdParams bp = bwd_params(m, c.softcap, c.left, right, c.deterministic);
+  const jax_fa3::BwdParams bp = bwd_params(m, c.softcap, c.left, right, c.deterministic, seg);
   std::vector<uint16_t> got[2][3];  // [run][dq, dk, dv]
   const int runs = c.deterministic ? 2 : 1;
   for (int r = 0; r < runs; ++r) {
@@ -243,7 +253,7 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
     for (size_t i = 0; i < h.size(); ++i) out[i] = from_half(h[i], bf16);
     return out;
   };
-  const Grads ref = reference(c, d, right, decode(hq), decode(hk), decode(hv), decode(hdo), qlen, kvlen);
+  const Grads ref = reference(c, d, right, decode(hq), decode(hk), decode(hv), decode(hdo), qlen, kvlen, seg);
   const std::vector<double>* refs[3] = {&ref.dq, &ref.dk, &ref.dv};
   // Tolerance per gradient: max|d - ref| <= rtol * max|ref| + atol. The kernel
   // rounds P and dS to the input dtype before the dV/dK/dQ GEMMs, reads O
@@ -280,8 +290,9 @@ int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, fl
   CHECK_CUDA(cudaMemcpy(m.ql, lens.data(), b * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.kl, lens.data(), b * 4, cudaMemcpyHostToDevice));
   const int dt = bf16 ? 0 : 1;
-  const jax_fa3::FwdParams fp = fwd_params(m, softcap, -1, right);
-  const jax_fa3::BwdParams bp = bwd_params(m, softcap, -1, right, deterministic);
+  const check_util::Segments no_seg(b, t, t, 0, false, 0);
+  const jax_fa3::FwdParams fp = fwd_params(m, softcap, -1, right, no_seg);
+  const jax_fa3::BwdParams bp = bwd_params(m, softcap, -1, right, deterministic, no_seg);
   int err = jax_fa3_fwd_launch(&fp, dt, "default", nullptr);
   if (err == 0) {
     check_util::wait_or_die(kTag, "forward (timing)", g_watchdog_s);
@@ -370,6 +381,15 @@ int main(int argc, char** argv) {
       // Fewer key blocks than SMs: split into 4 and 2-3 shares (tile_scheduler.h).
       {"split", 1, 1000, 1000, 2, 2, false},
       {"split_window_lens_gqa", 2, 600, 700, 4, 2, false, 200, 90, 0.f, true},
+      // Segment ids: packed documents (query blocks skipped per key block),
+      // T != S with lengths, scattered ids (id-by-id masks), deterministic
+      // (no skipping: every key block takes its dQ turn), split key blocks.
+      {"seg_causal", 1, 700, 700, 2, 2, true, -1, -1, 0.f, false, false, 9},
+      {"seg_cross_lens_gqa", 2, 333, 517, 6, 2, false, -1, -1, 0.f, true, false, 5},
+      {"seg_scattered", 2, 300, 300, 2, 2, true, -1, -1, 0.f, false, false, 3, true},
+      {"seg_det_causal", 2, 520, 520, 4, 2, true, -1, -1, 0.f, false, true, 6},
+      {"seg_det_window", 1, 400, 400, 2, 1, false, 60, 20, 0.f, false, true, 4},
+      {"seg_split", 1, 1000, 1000, 2, 2, false, -1, -1, 0.f, false, false, 7},
   };
   int passed = 0, failed = 0;
   for (int d : hdims) {

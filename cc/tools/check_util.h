@@ -152,4 +152,62 @@ inline bool parse_time_spec(const char* s, TimeSpec& ts) {
   return std::sscanf(s, "%d,%d,%d,%d,%d", &ts.b, &ts.t, &ts.n, &ts.d, &ts.causal) == 5;
 }
 
+// Segment ids of a case: `docs` contiguous documents spread evenly over the
+// queries and over the keys, or (scattered) ids drawn at random from
+// [0, docs), and the spans the kernels read (cc/fwd/params.h), computed by
+// brute force as jax_fa3/segments.py defines them. docs = 0: none.
+struct Segments {
+  std::vector<int32_t> q_ids, kv_ids, q_spans, kv_spans;
+  int b = 0, t = 0, s = 0;
+  int32_t* dev[4] = {nullptr, nullptr, nullptr, nullptr};
+
+  Segments(int b_, int t_, int s_, int docs, bool scattered, uint32_t seed) : b(b_), t(t_), s(s_) {
+    if (docs <= 0) return;
+    std::mt19937 gen(seed);
+    for (int x = 0; x < b; ++x) {
+      for (int i = 0; i < t; ++i) q_ids.push_back(scattered ? int(gen() % docs) : int(int64_t(i) * docs / t));
+      for (int j = 0; j < s; ++j) kv_ids.push_back(scattered ? int(gen() % docs) : int(int64_t(j) * docs / s));
+    }
+    q_spans = spans(q_ids, kv_ids, t, s);
+    kv_spans = spans(kv_ids, q_ids, s, t);
+    const std::vector<int32_t>* host[4] = {&q_ids, &kv_ids, &q_spans, &kv_spans};
+    for (int a = 0; a < 4; ++a) {
+      CHECK_CUDA(cudaMalloc((void**)&dev[a], host[a]->size() * 4));
+      CHECK_CUDA(cudaMemcpy(dev[a], host[a]->data(), host[a]->size() * 4, cudaMemcpyHostToDevice));
+    }
+  }
+  ~Segments() { for (int32_t* d : dev) cudaFree(d); }
+  Segments(const Segments&) = delete;
+  Segments& operator=(const Segments&) = delete;
+
+  bool on() const { return !q_ids.empty(); }
+  // Query i and key j of batch row x have equal ids (always, without ids).
+  bool same(int x, int i, int j) const { return !on() || q_ids[size_t(x) * t + i] == kv_ids[size_t(x) * s + j]; }
+  template <class SegmentParams>
+  void attach(SegmentParams& sp) const {
+    if (on()) { sp.q_ids = dev[0]; sp.kv_ids = dev[1]; sp.q_spans = dev[2]; sp.kv_spans = dev[3]; }
+  }
+
+  // Per granule of 16 positions of side a: {lo, hi, full_lo, full_hi} in side b.
+  std::vector<int32_t> spans(const std::vector<int32_t>& a, const std::vector<int32_t>& other, int la, int lb) const {
+    const int G = 16, big = 1 << 30, ng = (la + G - 1) / G;
+    std::vector<int32_t> out;
+    for (int x = 0; x < b; ++x)
+      for (int g = 0; g < ng; ++g) {
+        int lo = big, hi = -big, flo = -big, fhi = big;
+        for (int i = g * G; i < std::min(la, (g + 1) * G); ++i) {
+          int first = -1, last = -1, count = 0;
+          for (int j = 0; j < lb; ++j)
+            if (other[size_t(x) * lb + j] == a[size_t(x) * la + i]) { if (first < 0) first = j; last = j; ++count; }
+          if (count) { lo = std::min(lo, first); hi = std::max(hi, last + 1); }
+          const bool run = count > 0 && last - first + 1 == count;
+          flo = std::max(flo, run ? first : big);
+          fhi = std::min(fhi, run ? last + 1 : -big);
+        }
+        out.insert(out.end(), {lo, hi, flo, fhi});
+      }
+    return out;
+  }
+};
+
 }  // namespace check_util

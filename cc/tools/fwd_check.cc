@@ -35,6 +35,8 @@ struct Case {
   int left = -1, right = -1;
   float softcap = 0.f;
   bool lens = false;  // use q_lens / kv_lens shorter than t / s
+  int docs = 0;            // segment ids: documents per row (0: none)
+  bool scattered = false;  // ids at random instead of contiguous documents
 };
 
 struct Result { double max_err_o, max_err_lse; bool nan, repro, skipped = false; };
@@ -66,6 +68,8 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
   p.b = c.b; p.t = c.t; p.s = c.s; p.n = c.n; p.kh = c.kh; p.d = d;
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
+  const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1);
+  seg.attach(p.seg);
 
   std::vector<uint16_t> out[2];
   std::vector<float> lse[2];
@@ -98,7 +102,7 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
         double mx = -INFINITY;
         for (int j = 0; j < c.s; ++j) {
           bool vis = i < qlen[b] && j < kvlen[b] && (c.left < 0 || j >= i - c.left) &&
-                     (p.window_right < 0 || j <= i + p.window_right);
+                     (p.window_right < 0 || j <= i + p.window_right) && seg.same(b, i, j);
           if (!vis) { sc[j] = -INFINITY; continue; }
           const uint16_t* kj = &hk[((size_t(b) * c.s + j) * c.kh + h / group) * d];
           double acc = 0;
@@ -198,6 +202,11 @@ int main(int argc, char** argv) {
       {2, 300, 300, 2, 1, false, 40, 17},
       {1, 257, 255, 2, 2, false, -1, -1, 30.f},
       {3, 190, 230, 2, 2, true, -1, -1, 0.f, true},
+      // Segment ids: packed documents, T != S, windows, lengths, scattered ids.
+      {1, 700, 700, 2, 2, true, -1, -1, 0.f, false, 9},
+      {2, 333, 517, 4, 2, false, -1, -1, 0.f, true, 5},
+      {1, 600, 600, 2, 1, false, 100, 30, 0.f, false, 4},
+      {2, 300, 300, 2, 2, true, -1, -1, 0.f, false, 3, true},
   };
   const bool bf16 = dtype == "bf16";
   const double tol_o = bf16 ? 2e-2 : 4e-3;
@@ -212,10 +221,10 @@ int main(int argc, char** argv) {
       }
       bool ok = !r.nan && r.repro && r.max_err_o <= tol_o && r.max_err_lse <= 1e-3;
       failures += !ok;
-      std::printf("%s d%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d  "
+      std::printf("%s d%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d docs=%d%s  "
                   "max|dO|=%.2e max|dLSE|=%.2e nan=%d repro=%d  %s\n",
                   dtype.c_str(), d, c.b, c.t, c.s, c.n, c.kh, c.causal, c.left, c.right, c.softcap,
-                  c.lens, r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
+                  c.lens, c.docs, c.scattered ? "s" : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
     }
   }
   std::printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
