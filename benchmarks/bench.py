@@ -51,7 +51,11 @@ DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_HDIMS = (64, 128, 256)
 QUICK_SEQLENS = (1024, 4096, 8192)
 QUICK_HDIMS = (128,)
-IMPLS = ("fa3", "fa3det", "cudnn", "xla")  # fa3det: deterministic=True backward
+# fa3det: deterministic=True backward; fa3ref: the Dao-AILab FA3 kernels
+# (flash_attn3_jax.flash_mha), when importable.
+IMPLS = ("fa3", "fa3det", "cudnn", "xla", "fa3ref")
+# Peers are checked against a float32 reference before they are timed.
+PEERS = ("cudnn", "fa3ref")
 MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
@@ -364,7 +368,55 @@ def _attn_fn(impl: str, causal: bool):
   if impl in ("cudnn", "xla"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                              implementation=impl)
+  if impl == "fa3ref":
+    from flash_attn3_jax import flash_mha  # causal: bottom-right, = top-left at T == S
+    return functools.partial(flash_mha, is_causal=causal)
   raise ValueError(f"unknown impl {impl!r}")
+
+
+_CHECKED: dict = {}
+
+
+def check_peer(impl: str, shape: Shape, dtype, with_grads: bool) -> tuple:
+  """(forward error or None, gradient error or None) of ``impl`` on a
+  reduced copy of ``shape`` (batch 1, two K/V heads' worth of query heads, at
+  most 1024 tokens) against jax.nn's xla path in float32: the FA3 rule, error
+  <= 2x (gradients 3x) the same-dtype xla error + 4e-3."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  s = min(shape.seqlen, 1024)
+  heads = min(shape.heads, 2 * shape.group)
+  key = (impl, shape.hdim, shape.causal, shape.group, s, str(dtype), with_grads)
+  if key in _CHECKED:
+    return _CHECKED[key]
+  small = Shape(shape.hdim, shape.causal, s, 1, heads, shape.group)
+  q, k, v, do = make_inputs(small, dtype, 1, seed=99)[0]
+  ref_fn = _attn_fn("xla", shape.causal)
+
+  def run(fn, x_dtype):
+    args = [x.astype(x_dtype) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+      out, pull = jax.vjp(fn, *args)
+      grads = pull(do.astype(x_dtype)) if with_grads else ()
+    return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+  try:
+    ref, same = run(ref_fn, jnp.float32), run(ref_fn, dtype)
+    got = run(_attn_fn(impl, shape.causal), dtype)
+  except Exception as e:  # noqa: BLE001
+    first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+    _CHECKED[key] = (f"unavailable ({type(e).__name__}: {first})", None)
+    return _CHECKED[key]
+  why = []
+  for i, (g, r, m) in enumerate(zip(got, ref, same)):
+    err, base = float(np.abs(g - r).max()), float(np.abs(m - r).max())
+    bound = (2.0 if i == 0 else 3.0) * base + 4e-3
+    why.append(None if np.isfinite(g).all() and err <= bound else
+               f"{('out', 'dq', 'dk', 'dv')[i]} error {err:.3g} > {bound:.3g}")
+  bad_grads = [w for w in why[1:] if w]
+  _CHECKED[key] = (why[0], "; ".join(bad_grads) or None)
+  return _CHECKED[key]
 
 
 def make_inputs(shape: Shape, dtype, n_sets: int, seed: int = 0):
@@ -519,12 +571,21 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
             max_iters=args.max_iters)
   # Timers per (impl, "fwd" | "fb"): fb is forward + backward through jax.vjp;
   # the backward's time is fb - fwd. A failure skips that impl's later modes.
-  timers, failed = {}, {}
+  timers, failed, wrong_bwd = {}, {}, {}
   for impl in impls:
+    if impl in PEERS:
+      fwd_err, bwd_err = check_peer(impl, shape, dtype, "bwd" in modes)
+      if fwd_err:
+        failed[impl] = fwd_err if fwd_err.startswith("unavailable") else f"wrong result ({fwd_err})"
+        print(f"  {impl}: not timed, {failed[impl]}", flush=True)
+        continue
+      if bwd_err:
+        wrong_bwd[impl] = f"wrong gradients ({bwd_err})"
+        print(f"  {impl}: backward not timed, {wrong_bwd[impl]}", flush=True)
     try:
       attn = _attn_fn(impl, shape.causal)
       fns = {"fwd": jax.jit(lambda q, k, v, do, attn=attn: attn(q, k, v))}
-      if "bwd" in modes and args.bwd_timing == "subtract":
+      if "bwd" in modes and args.bwd_timing == "subtract" and impl not in wrong_bwd:
         @jax.jit
         def fwd_bwd(q, k, v, do, attn=attn):
           _, pull = jax.vjp(attn, q, k, v)
@@ -532,7 +593,7 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
         fns["fb"] = fwd_bwd
       for what, fn in fns.items():
         timers[impl, what] = RunTimer(fn, sets, **kw)
-      if "bwd" in modes and args.bwd_timing == "direct":
+      if "bwd" in modes and args.bwd_timing == "direct" and impl not in wrong_bwd:
         # The pullback alone: its residuals (the forward's outputs) are
         # computed once per input set and passed in as a pytree.
         fwd_pull = jax.jit(lambda q, k, v, attn=attn: jax.vjp(attn, q, k, v)[1])
@@ -564,6 +625,8 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
       row = Row(impl, m, dtype_name, shape)
       if impl in failed:
         row.status = failed[impl]
+      elif m == "bwd" and impl in wrong_bwd:
+        row.status = wrong_bwd[impl]
       else:
         t_fwd = min(runs[impl, "fwd"])
         t, row.iters = t_fwd, timers[impl, "fwd"].iters

@@ -3,8 +3,8 @@
 
 Semantics (all entry points): query row ``i`` of batch ``b`` attends key ``j``
 iff ``i < q_len[b]``, ``j < kv_len[b]``, the (top-left aligned) causal / local
-window constraints hold, and (reference path only) ``mask`` is True and the
-segment ids are equal (``q_segment_ids[b, i] == kv_segment_ids[b, j]``).  Scores
+window constraints hold, the segment ids are equal (``q_segment_ids[b, i] ==
+kv_segment_ids[b, j]``) and (reference path only) ``mask`` is True.  Scores
 are ``scale * q.k``, soft-capped as ``c * tanh(s / c)`` when ``softcap=c``.
 
 Difference from ``jax.nn.dot_product_attention``: a query row that is *not*

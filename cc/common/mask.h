@@ -80,10 +80,12 @@ struct SegmentView {
   const int4* spans = nullptr;       // [ceil(rows / kSegmentGranule)] (params.h)
   int rows = 0, cols = 0;
 
-  template <class Params>
+  // Enabled = false: a kernel built without segment ids (the view is empty at
+  // compile time, so their code folds away).
+  template <bool Enabled = true, class Params>
   CUTE_DEVICE static SegmentView queries(const Params& p, int batch) {
     const SegmentParams& s = p.seg;
-    if (s.q_ids == nullptr) { return {}; }
+    if (!Enabled || s.q_ids == nullptr) { return {}; }
     return {s.q_ids + int64_t(batch) * p.t, s.kv_ids + int64_t(batch) * p.s,
             reinterpret_cast<const int4*>(s.q_spans) + int64_t(batch) * granules(p.t), p.t, p.s};
   }
@@ -177,10 +179,10 @@ struct QueryBlockMask {
     n_block_max = blocks.hi;
   }
   // The view of query block m_block of batch row `batch` (FwdParams-like p).
-  template <class Params>
+  template <bool Segments = true, class Params>
   CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch) {
     return QueryBlockMask(m_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
-                          p.window_right, SegmentView::queries(p, batch));
+                          p.window_right, SegmentView::queries<Segments>(p, batch));
   }
 
   CUTE_DEVICE bool empty() const { return n_block_max <= n_block_min; }

@@ -183,7 +183,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
             QueryBlockMask<kRowsPerWG, kBlockN>::of(p, tile.m_block * (kBlockM / kRowsPerWG) + wg, tile.batch);
         if (!wg_mask.empty()) { ref_lo = wg_mask.n_block_min; ref_hi = wg_mask.n_block_max; }  // else rows past q_len
       }
-      auto segs = [&] { return SegmentView::queries(p, tile.batch); };
+      auto segs = [&p, batch = tile.batch] { return SegmentView::queries(p, batch); };
       const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, segs, ref_lo, ref_hi,
                                          scale_log2 * q_scale,
                                          params.k_scale + kv_row, params.v_scale + kv_row,

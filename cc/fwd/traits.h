@@ -22,17 +22,22 @@ using namespace cute;
 // at d256 (a 128-register O accumulator) that spills ~200 bytes and is still
 // the faster schedule.
 template <int HeadDim> struct FwdTileConfig;
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 4; };
-template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; };
-
-// A tile shape other than FwdTileConfig's, for the variants the handler picks
-// per problem (fwd_handler.cc, pick_variant: d64's 192-row tile, three
-// consumer warpgroups, wins on long sequences and loses on short causal ones).
-template <int BlockM, int BlockN, int Stages>
-struct FwdTile { static constexpr int kBlockM = BlockM, kBlockN = BlockN, kStages = Stages; };
+// kSegments: the tile takes segment ids (every default tile does).
+template <int BlockM, int BlockN, int Stages, bool Segments = true>
+struct FwdTile {
+  static constexpr int kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
+  static constexpr bool kSegments = Segments;
+};
+template <int HeadDim> struct FwdTileConfig;
+template <> struct FwdTileConfig<64>  : FwdTile<128, 128, 4> {};
+template <> struct FwdTileConfig<96>  : FwdTile<128, 128, 2> {};
+template <> struct FwdTileConfig<128> : FwdTile<128, 128, 2> {};
+template <> struct FwdTileConfig<192> : FwdTile<128, 80, 2> {};
+template <> struct FwdTileConfig<256> : FwdTile<128, 80, 2> {};
+// Other tiles are variants the handler picks per problem (fwd_handler.cc,
+// pick_variant): d64's 192-row tile (three consumer warpgroups) wins on long
+// sequences and loses on short causal ones. It takes no segment ids: at its
+// register budget their two live bounds made ptxas spill mainloop values.
 
 template <class Element_, int HeadDim, class Tile = FwdTileConfig<HeadDim>>
 struct FwdTraits {
@@ -44,6 +49,7 @@ struct FwdTraits {
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
+  static constexpr bool kSegments = Tile::kSegments;
 
   // One producer warpgroup (only one warp of it issues TMA) and kBlockM / 64
   // consumer warpgroups, each owning 64 rows of the Q tile.

@@ -214,6 +214,7 @@ int main(int argc, char** argv) {
   for (int d : hdims) {
     for (size_t ci = 0; ci < cases.size(); ++ci) {
       const Case& c = cases[ci];
+      if (c.docs > 0 && std::strcmp(variant.c_str(), "m192") == 0) continue;  // takes no segment ids
       Result r = run_case(c, d, bf16, variant.c_str(), uint32_t(1000 * d + ci));
       if (r.skipped) {
         std::printf("%s d%d: not compiled, skipped\n", dtype.c_str(), d);
