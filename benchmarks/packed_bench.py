@@ -99,15 +99,18 @@ def _reference(q, k, v, do, lens, starts, causal):
   import jax
   import jax.numpy as jnp
 
+  @jax.jit
+  def doc(q, k, v, do):
+    with jax.default_matmul_precision("highest"):
+      f = lambda a, b, c: jax.nn.dot_product_attention(  # noqa: E731
+          a, b, c, is_causal=causal, implementation="xla")
+      out, pull = jax.vjp(f, q, k, v)
+      return out, pull(do)
+
   def per_doc(dtype):
     outs, grads = [], [[], [], []]
     for s, n in zip(starts, lens):
-      args = [x[:, s:s + n].astype(dtype) for x in (q, k, v)]
-      with jax.default_matmul_precision("highest"):
-        f = lambda a, b, c: jax.nn.dot_product_attention(  # noqa: E731
-            a, b, c, is_causal=causal, implementation="xla")
-        out, pull = jax.vjp(f, *args)
-        g = pull(do[:, s:s + n].astype(dtype))
+      out, g = doc(*(x[:, s:s + n].astype(dtype) for x in (q, k, v, do)))
       outs.append(np.asarray(out, np.float32))
       for acc, x in zip(grads, g):
         acc.append(np.asarray(x, np.float32))
