@@ -60,7 +60,7 @@ MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
               "heads", "kv_heads", "ms", "tflops", "ratio_vs_cudnn", "iters", "status",
-              "sm_mhz", "power_w", "clock_reasons")
+              "sm_mhz", "power_w", "clock_reasons", "window_left", "spread")
 
 
 # ---------------------------------------------------------------------------
@@ -76,6 +76,13 @@ class Shape:
   batch: int
   heads: int
   group: int = 1  # query heads per K/V head (GQA); 1 = MHA
+  window_left: int = -1  # causal sliding window: query i sees keys [i - left, i]; -1 = none
+
+
+# Shapes of real models beside the sweep (--shapes real): GQA 32/8 (Llama-3 8B-like)
+# 8k causal, GQA 64/8 (70B-like) 2k causal, a (4096, 0) sliding window at 16k.
+REAL_SHAPES = (Shape(128, True, 8192, 2, 32, 4), Shape(128, True, 2048, 4, 64, 8),
+               Shape(128, True, 16384, 1, 16, 1, 4096))
 
 
 @dataclass
@@ -92,13 +99,18 @@ class Row:
   sm_mhz: float | None = None   # --clocks: mean SM clock / board power over the timed runs
   power_w: float | None = None
   clock_reasons: str = ""       # --clocks: why the clock was below its maximum (share of samples)
+  spread: float | None = None   # (max - min) / min of the timed runs
 
 
 def attn_flops(batch: int, heads: int, seqlen: int, hdim: int, causal: bool,
-               mode: str = "fwd") -> float:
-  """FLOPs of one call: 4*b*h*s^2*d, /2 if causal, x2.5 for the backward."""
+               mode: str = "fwd", window_left: int = -1) -> float:
+  """FLOPs of one call: 4*b*h*s^2*d, /2 if causal, x2.5 for the backward;
+  a causal sliding window counts its visible (query, key) pairs."""
   f = 4.0 * batch * heads * seqlen * seqlen * hdim
-  if causal:
+  if causal and 0 <= window_left < seqlen - 1:
+    w = window_left + 1  # keys per row once the window is full
+    f = 4.0 * batch * heads * hdim * (w * (w + 1) / 2 + (seqlen - w) * w)
+  elif causal:
     f /= 2
   if mode == "bwd":
     f *= 2.5
@@ -140,7 +152,7 @@ def fill_ratios(rows: list[Row]) -> None:
 
 
 TABLE_COLS = ("impl", "mode", "d", "causal", "seqlen", "batch", "heads", "ms",
-              "TFLOP/s", "ratio_vs_cudnn")
+              "TFLOP/s", "ratio_vs_cudnn", "spread%")
 
 
 def _cells(r: Row, max_status: int = 0) -> list[str]:
@@ -153,8 +165,19 @@ def _cells(r: Row, max_status: int = 0) -> list[str]:
   else:
     tail = [f"{r.ms:.3f}", f"{r.tflops:.1f}",
             f"{r.ratio:.2f}" if r.ratio is not None else "-"]
-  return [r.impl, r.mode, str(s.hdim), "yes" if s.causal else "no",
-          str(s.seqlen), str(s.batch), _heads(s)] + tail
+  return [r.impl, r.mode, str(s.hdim), _mask_name(s),
+          str(s.seqlen), str(s.batch), _heads(s)] + tail + [
+              "-" if r.spread is None else f"{100 * r.spread:.1f}"]
+
+
+def _mask_name(s: Shape) -> str:
+  if s.causal and s.window_left >= 0:
+    return f"w{s.window_left}"
+  return "yes" if s.causal else "no"
+
+
+def shape_flops(s: Shape, mode: str) -> float:
+  return attn_flops(s.batch, s.heads, s.seqlen, s.hdim, s.causal, mode, s.window_left)
 
 
 def _heads(s: Shape) -> str:
@@ -163,8 +186,8 @@ def _heads(s: Shape) -> str:
 
 def _sort_key(r: Row):
   s = r.shape
-  return (MODES.index(r.mode) if r.mode in MODES else 9, s.hdim, s.causal,
-          s.seqlen, IMPLS.index(r.impl) if r.impl in IMPLS else 9)
+  return (MODES.index(r.mode) if r.mode in MODES else 9, s.hdim, s.causal, s.window_left,
+          s.seqlen, s.group, IMPLS.index(r.impl) if r.impl in IMPLS else 9)
 
 
 def format_table(rows: list[Row], markdown: bool = False) -> str:
@@ -172,13 +195,13 @@ def format_table(rows: list[Row], markdown: bool = False) -> str:
   body = [_cells(r, 0 if markdown else 60) for r in rows]
   if markdown:
     lines = ["| " + " | ".join(TABLE_COLS) + " |",
-             "|" + "|".join(["---"] * 7 + ["---:"] * 3) + "|"]
+             "|" + "|".join(["---"] * 7 + ["---:"] * 4) + "|"]
     lines += ["| " + " | ".join(c) + " |" for c in body]
     return "\n".join(lines)
   widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h)
             for i, h in enumerate(TABLE_COLS)]
   fmt = lambda cells: " | ".join(  # noqa: E731
-      c.rjust(w) if 4 <= i < len(TABLE_COLS) - 1 else c.ljust(w)
+      c.rjust(w) if 4 <= i < len(TABLE_COLS) - 2 or i == len(TABLE_COLS) - 1 else c.ljust(w)
       for i, (c, w) in enumerate(zip(cells, widths)))
   lines = [fmt(TABLE_COLS), "-+-".join("-" * w for w in widths)]
   lines += [fmt(c) for c in body]
@@ -201,7 +224,8 @@ def write_csv(rows: list[Row], path: str) -> None:
                   r.iters, r.status,
                   "" if r.sm_mhz is None else f"{r.sm_mhz:.0f}",
                   "" if r.power_w is None else f"{r.power_w:.0f}",
-                  r.clock_reasons])
+                  r.clock_reasons, s.window_left,
+                  "" if r.spread is None else f"{r.spread:.4f}"])
   os.replace(tmp, path)
 
 
@@ -214,11 +238,13 @@ def read_csv(path: str) -> list[Row]:
     for d in csv.DictReader(f):
       heads, kv_heads = int(d["heads"]), int(d["kv_heads"])
       shape = Shape(int(d["hdim"]), d["causal"] == "1", int(d["seqlen"]),
-                    int(d["batch"]), heads, heads // kv_heads)
+                    int(d["batch"]), heads, heads // kv_heads,
+                    int(d.get("window_left") or -1))
       rows.append(Row(d["impl"], d["mode"], d["dtype"], shape, num(d["ms"]),
                       num(d["tflops"]), num(d["ratio_vs_cudnn"]),
                       int(d["iters"] or 0), d["status"], num(d.get("sm_mhz", "")),
-                      num(d.get("power_w", "")), d.get("clock_reasons", "")))
+                      num(d.get("power_w", "")), d.get("clock_reasons", ""),
+                      num(d.get("spread") or "")))
   return rows
 
 
@@ -250,7 +276,8 @@ def plot(rows: list[Row], path: str, title: str = "") -> bool:
   plt = pyplot()
   if plt is None:
     return False
-  ok = [r for r in rows if r.status == "ok" and r.tflops]
+  # The sweep's curves; the real-model shapes are table rows only.
+  ok = [r for r in rows if r.status == "ok" and r.tflops and r.shape not in REAL_SHAPES]
   if not ok:
     print("[plot] no successful measurements; skipping plot")
     return False
@@ -358,19 +385,22 @@ def _import_jax_fa3():
   return jax_fa3
 
 
-def _attn_fn(impl: str, causal: bool):
+def _attn_fn(impl: str, causal: bool, window_left: int = -1):
+  """``window_left >= 0`` (with causal): query i sees keys [i - left, i]."""
   import jax
+  win = {} if window_left < 0 else {"local_window_size": (window_left, 0)}
   if impl in ("fa3", "fa3det"):
     jax_fa3 = _import_jax_fa3()
     return functools.partial(jax_fa3.attention, is_causal=causal,
                              implementation="fa3",
-                             deterministic=impl == "fa3det")
+                             deterministic=impl == "fa3det", **win)
   if impl in ("cudnn", "xla"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                             implementation=impl)
+                             implementation=impl, **win)
   if impl == "fa3ref":
     from flash_attn3_jax import flash_mha  # causal: bottom-right, = top-left at T == S
-    return functools.partial(flash_mha, is_causal=causal)
+    return functools.partial(flash_mha, is_causal=causal,
+                             window_size=(window_left, 0) if win else (-1, -1))
   raise ValueError(f"unknown impl {impl!r}")
 
 
@@ -385,14 +415,15 @@ def check_peer(impl: str, shape: Shape, dtype, with_grads: bool) -> tuple:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  s = min(shape.seqlen, 1024)
+  # A window needs rows past its width to show.
+  s = min(shape.seqlen, 1024 + max(shape.window_left, 0))
   heads = min(shape.heads, 2 * shape.group)
-  key = (impl, shape.hdim, shape.causal, shape.group, s, str(dtype), with_grads)
+  key = (impl, shape.hdim, shape.causal, shape.group, shape.window_left, s, str(dtype), with_grads)
   if key in _CHECKED:
     return _CHECKED[key]
-  small = Shape(shape.hdim, shape.causal, s, 1, heads, shape.group)
+  small = Shape(shape.hdim, shape.causal, s, 1, heads, shape.group, shape.window_left)
   q, k, v, do = make_inputs(small, dtype, 1, seed=99)[0]
-  ref_fn = _attn_fn("xla", shape.causal)
+  ref_fn = _attn_fn("xla", shape.causal, shape.window_left)
 
   def run(fn, x_dtype):
     args = [x.astype(x_dtype) for x in (q, k, v)]
@@ -403,7 +434,7 @@ def check_peer(impl: str, shape: Shape, dtype, with_grads: bool) -> tuple:
 
   try:
     ref, same = run(ref_fn, jnp.float32), run(ref_fn, dtype)
-    got = run(_attn_fn(impl, shape.causal), dtype)
+    got = run(_attn_fn(impl, shape.causal, shape.window_left), dtype)
   except Exception as e:  # noqa: BLE001
     first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
     _CHECKED[key] = (f"unavailable ({type(e).__name__}: {first})", None)
@@ -583,7 +614,7 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
         wrong_bwd[impl] = f"wrong gradients ({bwd_err})"
         print(f"  {impl}: backward not timed, {wrong_bwd[impl]}", flush=True)
     try:
-      attn = _attn_fn(impl, shape.causal)
+      attn = _attn_fn(impl, shape.causal, shape.window_left)
       fns = {"fwd": jax.jit(lambda q, k, v, do, attn=attn: attn(q, k, v))}
       if "bwd" in modes and args.bwd_timing == "subtract" and impl not in wrong_bwd:
         @jax.jit
@@ -638,18 +669,18 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
           if t <= 0:
             row.status = (f"error (fwd+bwd {t_fb * 1e3:.3f} ms <= fwd "
                           f"{t_fwd * 1e3:.3f} ms)")
+        timed = (impl, "fwd" if m == "fwd" else ("bwd" if args.bwd_timing == "direct" else "fb"))
+        ts = runs.get(timed, [])
+        row.spread = (max(ts) - min(ts)) / min(ts) if len(ts) > 1 and min(ts) > 0 else None
         # The clocks of the timed function itself (for bwd: forward + backward).
-        samples = clocks.get((impl, "fwd" if m == "fwd" else
-                              ("bwd" if args.bwd_timing == "direct" else "fb")), [])
+        samples = clocks.get(timed, [])
         if samples:
           row.sm_mhz = statistics.fmean(c for c, _, _ in samples)
           row.power_w = statistics.fmean(p for _, p, _ in samples)
           row.clock_reasons = clock_reason_shares(r for _, _, r in samples)
         if row.status == "ok":
           row.ms = t * 1e3
-          row.tflops = tflops_of(
-              attn_flops(shape.batch, shape.heads, shape.seqlen, shape.hdim,
-                         shape.causal, m), row.ms)
+          row.tflops = tflops_of(shape_flops(shape, m), row.ms)
           print(f"  {impl:5s} {m} d={shape.hdim} causal={int(shape.causal)} "
                 f"s={shape.seqlen:5d} b={shape.batch:2d} h={shape.heads:2d}: "
                 f"{row.ms:8.3f} ms {row.tflops:7.1f} TFLOP/s"
@@ -722,6 +753,9 @@ def parse_args(argv=None):
                  help="GQA: query heads per K/V head (the demo uses 4)")
   p.add_argument("--hidden", type=int, default=HIDDEN,
                  help="hidden size: heads = hidden // head_dim")
+  p.add_argument("--shapes", choices=("sweep", "real", "all"), default="sweep",
+                 help="the seqlen x head-dim sweep, the real-model shapes (GQA 32/8 8k and "
+                      "64/8 2k causal, window (4096, 0) 16k; d128), or both")
   p.add_argument("--quick", action="store_true",
                  help="d=128 only, seqlens 1k,4k,8k, causal both")
   p.add_argument("--out", default=os.path.join(
@@ -776,8 +810,12 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     title = os.path.basename(os.path.dirname(os.path.abspath(args.replot)))  # the run's folder
     return 0 if plot(rows, os.path.join(args.out, "bench.png"), title=title) else 1
-  shapes = plan(args.seqlens, args.hdims, args.causals, args.tokens,
-                args.hidden, args.group)
+  shapes = []
+  if args.shapes in ("sweep", "all"):
+    shapes += plan(args.seqlens, args.hdims, args.causals, args.tokens,
+                   args.hidden, args.group)
+  if args.shapes in ("real", "all"):
+    shapes += list(REAL_SHAPES)
 
   if args.dry_run:
     env = environment(with_jax=False)
@@ -788,9 +826,8 @@ def main(argv=None) -> int:
           f"{len(args.mode_list)} modes = {len(rows)} measurements, "
           f"dtype={args.dtype_name}")
     for s in shapes:
-      fl = ", ".join(f"{m} {attn_flops(s.batch, s.heads, s.seqlen, s.hdim, s.causal, m) / 1e12:.3f} TFLOP"  # noqa: E501
-                     for m in args.mode_list)
-      print(f"  d={s.hdim:3d} causal={int(s.causal)} seqlen={s.seqlen:5d} "
+      fl = ", ".join(f"{m} {shape_flops(s, m) / 1e12:.3f} TFLOP" for m in args.mode_list)
+      print(f"  d={s.hdim:3d} causal={_mask_name(s)} seqlen={s.seqlen:5d} "
             f"batch={s.batch:2d} heads={s.heads:2d}: {fl}")
     print(format_table(rows, markdown=args.markdown))
     return 0
@@ -815,7 +852,7 @@ def main(argv=None) -> int:
     write_csv(rows, csv_path)
 
   rows = measure_all(
-      sorted(shapes, key=lambda x: (x.hdim, x.seqlen, x.causal)),
+      sorted(shapes, key=lambda x: (x.hdim, x.seqlen, x.causal, x.window_left, x.group)),
       lambda s: measure_shape(s, args.impl_list, args.mode_list,
                               args.dtype_name, args), save)
   fill_ratios(rows)

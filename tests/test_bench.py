@@ -27,6 +27,19 @@ def test_flops_follow_the_paper():
   assert b.attn_flops(2, 16, 8192, 128, False, "bwd") == 2.5 * f
 
 
+def test_window_flops_and_real_shapes():
+  b = _bench()
+  # (4096, 0) window at 16k: rows 0..4095 see i + 1 keys, the rest 4097.
+  pairs = sum(min(i, 4096) + 1 for i in range(16384))
+  assert b.attn_flops(1, 16, 16384, 128, True, window_left=4096) == 4.0 * 16 * 128 * pairs
+  # A window as long as the sequence is plain causal.
+  assert b.attn_flops(1, 16, 4096, 128, True, window_left=5000) == b.attn_flops(
+      1, 16, 4096, 128, True)
+  names = {b._mask_name(s) for s in b.REAL_SHAPES}
+  assert names == {"yes", "w4096"}
+  assert {b._heads(s) for s in b.REAL_SHAPES} == {"32/8", "64/8", "16"}
+
+
 def test_clock_reason_shares():
   b = _bench()
   assert b.clock_reason_shares([]) == ""
