@@ -2,7 +2,7 @@
 
 :class:`Config` (static, hashable) says what runs: the 16-bit kernels
 (partitioned calls of :mod:`jax_fa3.sharding`) or the blockwise reference
-(the only path for ``bias`` / ``mask``); optionally FP8 for the forward, or
+(the only path for ``bias``); optionally FP8 for the forward, or
 a ring over a ``shard_map`` axis (:mod:`jax_fa3.ring`).
 The backward is always the 16-bit one: for FP8 it is straight-through,
 evaluated at the unquantized inputs (the 16-bit forward is recomputed there
@@ -67,8 +67,9 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
 
   ``segment_ids``: None or ``(q_ids int32 [B,T], kv_ids int32 [B,S])``
   (packed sequences: query ``i`` sees key ``j`` only where the ids are
-  equal); not with ring attention.  The kernels get them with their spans
-  (:mod:`jax_fa3.segments`), computed once here and kept for the backward.
+  equal); not with ring attention.  The kernels get them, or a ``mask``
+  without ``bias``, as the pair-rule operands of :mod:`jax_fa3.segments`
+  (with their spans), computed once here and kept for the backward.
   ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
   gradient (reference path), the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
@@ -82,6 +83,10 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
       raise ValueError("segment ids are not supported by ring attention")
     if cfg.kernel or (cfg.fp8 is not None and cfg.fp8.kernel):
       segment_ids = segments.operands(*segment_ids)
+  elif mask is not None and bias is None and cfg.kernel and cfg.fp8 is None:
+    if cfg.ring is not None:
+      raise ValueError("masks are not supported by ring attention")
+    segment_ids, mask = segments.mask_operands(mask, k.shape[2]), None
   return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg)
 
 
@@ -100,8 +105,8 @@ def _ring_args(cfg):
 
 
 def _seg_kwargs(segment_ids):
-  """Reference keywords for ``segment_ids``: None, the ids pair, or the
-  kernels' four operands."""
+  """Reference keywords for ``segment_ids``: None or the ids pair (the
+  kernels' operands only reach the reference inside the primitives)."""
   q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids[:2]
   return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
 

@@ -294,11 +294,15 @@ def _fwd_emulation(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *segs, scale,
                    window_left, window_right, out_dtype, v_transposed):
   if v_transposed:
     v8 = _from_vt_layout(v8, k8.shape[1])
-  q_ids, kv_ids = segments.ids_of(segs)
+  if segments.is_mask(segs):  # precision="fp8" takes no mask (api.py)
+    raise ValueError("the FP8 kernels take segment ids, not masks")
+  kw = segments.reference_kwargs(segs, q8.shape[1], k8.shape[1])
+  mask = (segments.dense_mask(kw["q_segment_ids"], kw["kv_segment_ids"])
+          if kw else None)
   return emulate_fp8_attention(
       q8, k8, v8, qs, ks, vs, scale=scale, q_lens=q_lens, kv_lens=kv_lens,
       window_left=window_left, window_right=window_right, out_dtype=out_dtype,
-      mask=None if q_ids is None else segments.dense_mask(q_ids, kv_ids))
+      mask=mask)
 
 
 # Off CUDA the FP8 primitives are this emulation (as the 16-bit ones are the

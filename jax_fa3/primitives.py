@@ -12,8 +12,8 @@ On CUDA they lower to the FFI custom calls (the contract is in ``cc/ffi``).
 On every other platform they lower to pure JAX (:mod:`jax_fa3.reference`;
 the FP8 pair to the emulation that :mod:`jax_fa3.fp8` registers), so the
 whole primitive path runs, and is tested, on CPU.  The attention primitives
-take the four segment-id operands of :mod:`jax_fa3.segments` after the
-lengths (empty arrays when there are none).  Static parameters are
+take the four pair-rule operands of :mod:`jax_fa3.segments` (segment ids or
+a mask) after the lengths (empty arrays when there are none).  Static parameters are
 Python numbers in the primitive params and become ``np.float32`` /
 ``np.int32`` FFI attributes at lowering time.
 
@@ -226,22 +226,20 @@ def bwd_kernel_available(dtype, head_dim) -> bool:
           int(head_dim)) in _native.compiled_bwd_configs()
 
 
-def segment_kwargs(segs):
-  """The reference's segment-id keywords for the four operands."""
-  q_ids, kv_ids = segments.ids_of(segs)
-  return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+def _rule_kwargs(segs, q, k):
+  return segments.reference_kwargs(segs, q.shape[1], k.shape[1])
 
 
 def _reference_fwd(q, k, v, q_lens, kv_lens, *segs, **attrs):
   return reference.attention_fwd(q, k, v, q_lens, kv_lens,
-                                 **segment_kwargs(segs), **attrs)
+                                 **_rule_kwargs(segs, q, k), **attrs)
 
 
 def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *segs,
                    deterministic, **attrs):
   del deterministic  # the reference's summation order is fixed
   return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                                 **segment_kwargs(segs), **attrs)
+                                 **_rule_kwargs(segs, q, k), **attrs)
 
 
 _bwd_kernel = _ffi(BWD_TARGET, _bwd_kernel_shapes, _bwd_kernel_attrs, 3)

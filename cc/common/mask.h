@@ -71,33 +71,56 @@ CUTE_HOST_DEVICE Interval blocks_of(Interval r) {
   return r.empty() ? Interval{0, 0} : Interval{r.lo / kBlock, (r.hi + kBlock - 1) / kBlock};
 }
 
-// The segment ids of one batch row seen from one side: rows are the block's
-// own positions (queries in the forward, keys in the backward), cols the
-// other side's.
+// The pair rule (segment ids or a mask, params.h) of one batch row and head
+// seen from one side: rows are the block's own positions (queries in the
+// forward, keys in the backward), cols the other side's.
 struct SegmentView {
-  const int32_t* row_ids = nullptr;  // [rows]; null: no segment ids
+  const int32_t* row_ids = nullptr;  // [rows] segment ids, or null
   const int32_t* col_ids = nullptr;  // [cols]
-  const int4* spans = nullptr;       // [ceil(rows / kSegmentGranule)] (params.h)
+  const uint32_t* row_bits = nullptr;  // or mask bits [rows, 4, chunks] (params.h)
+  const int4* spans = nullptr;         // [ceil(rows / kSegmentGranule)]; null: no rule
   int rows = 0, cols = 0;
+  int chunks = 0;
 
-  // Enabled = false: a kernel built without segment ids (the view is empty at
-  // compile time, so their code folds away).
+  // Enabled = false: a kernel built without the pair rule (the view is empty
+  // at compile time, so its code folds away).
+  // The views are built where they are used (a masked block); the empty asm
+  // keeps their loop-invariant addresses from being hoisted out of the block
+  // loops, where they held registers across the whole loop.
   template <bool Enabled = true, class Params>
-  CUTE_DEVICE static SegmentView queries(const Params& p, int batch) {
+  CUTE_DEVICE static SegmentView queries(const Params& p, int batch, int head) {
     const SegmentParams& s = p.seg;
-    if (!Enabled || s.q_ids == nullptr) { return {}; }
-    return {s.q_ids + int64_t(batch) * p.t, s.kv_ids + int64_t(batch) * p.s,
-            reinterpret_cast<const int4*>(s.q_spans) + int64_t(batch) * granules(p.t), p.t, p.s};
+    if (!Enabled || s.q_spans == nullptr) { return {}; }
+    asm volatile("" : "+r"(batch), "+r"(head));
+    const int64_t slice = slice_of(s.mask_b, s.mask_n, batch, head);
+    const int4* spans = reinterpret_cast<const int4*>(s.q_spans) + slice * granules(p.t);
+    if (s.mask != nullptr) {
+      const int chunks = int(mask_chunks(p.s));
+      return {nullptr, nullptr, s.mask + slice * p.t * 4 * chunks, spans, p.t, p.s, chunks};
+    }
+    return {s.q_ids + int64_t(batch) * p.t, s.kv_ids + int64_t(batch) * p.s, nullptr, spans, p.t, p.s};
   }
+  // The key side: spans of kv head kv_head (block ranges), mask rows of
+  // query head `head` (element tests).
   template <class Params>
-  CUTE_DEVICE static SegmentView keys(const Params& p, int batch) {
+  CUTE_DEVICE static SegmentView keys(const Params& p, int batch, int kv_head, int head) {
     const SegmentParams& s = p.seg;
-    if (s.q_ids == nullptr) { return {}; }
-    return {s.kv_ids + int64_t(batch) * p.s, s.q_ids + int64_t(batch) * p.t,
-            reinterpret_cast<const int4*>(s.kv_spans) + int64_t(batch) * granules(p.s), p.s, p.t};
+    if (s.q_spans == nullptr) { return {}; }
+    asm volatile("" : "+r"(batch), "+r"(kv_head), "+r"(head));
+    const int4* spans = reinterpret_cast<const int4*>(s.kv_spans) +
+                        slice_of(s.mask_b, s.mask_kh, batch, kv_head) * granules(p.s);
+    if (s.mask != nullptr) {
+      const int chunks = int(mask_chunks(p.t));
+      return {nullptr, nullptr, s.mask_t + slice_of(s.mask_b, s.mask_n, batch, head) * p.s * 4 * chunks, spans,
+              p.s, p.t, chunks};
+    }
+    return {s.kv_ids + int64_t(batch) * p.s, s.q_ids + int64_t(batch) * p.t, nullptr, spans, p.s, p.t};
+  }
+  CUTE_HOST_DEVICE static int64_t slice_of(int nb, int nh, int batch, int head) {
+    return int64_t(nb > 1 ? batch : 0) * nh + (nh > 1 ? head : 0);
   }
   CUTE_HOST_DEVICE static int granules(int len) { return (len + kSegmentGranule - 1) / kSegmentGranule; }
-  CUTE_HOST_DEVICE bool active() const { return row_ids != nullptr; }
+  CUTE_HOST_DEVICE bool active() const { return spans != nullptr; }
 
   // Over rows [begin, end): the cols some row sees (`any`) and the cols
   // every row sees (`all`). Without segment ids: everything, both.
@@ -114,13 +137,32 @@ struct SegmentView {
     }
   }
 
-  // Masks the elements of a tile whose ids differ; row0 / col0: the tile's
-  // origin. Rows or cols past the arrays' ends read the last id (those are
-  // masked or dropped by the interval rule).
+  // Masks the elements of a tile the rule excludes; row0 / col0: the tile's
+  // origin. Rows or cols past the arrays' ends read the last id or mask entry
+  // (those are masked or dropped by the interval rule).
   template <class TS, class TC>
   CUTE_DEVICE void apply(TS& scores, TC const& coords, int row0, int col0) const {
     Tensor s = as_rowcol(scores);
     Tensor c = as_rowcol(coords);
+    if (row_bits != nullptr) {
+      // Two words per row hold this lane's columns of the block (params.h).
+      // The row-col view of a WGMMA accumulator orders a lane's columns
+      // 8 j + 2 t + e as 2 j + e: fragment column `col` is bit `col` after
+      // the shift, a constant (a per-element computed shift would be hoisted
+      // out of the key-block loop as dozens of live registers).
+      static_assert(decltype(size<1>(s))::value <= 32, "a block's lane columns fit one 32-bit window");
+      const int g0 = col0 / 8;  // col0: a multiple of 16
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        const int row = min(row0 + get<0>(c(r, 0)), rows - 1);
+        const int lane_t = (get<1>(c(r, 0)) / 2) % 4;
+        const uint32_t* w = row_bits + (int64_t(row) * 4 + lane_t) * chunks + g0 / 16;
+        const uint32_t bits = uint32_t(((uint64_t(__ldg(w + 1)) << 32) | __ldg(w)) >> (2 * (g0 % 16)));
+        CUTLASS_PRAGMA_UNROLL
+        for (int col = 0; col < size<1>(s); ++col) { s(r, col) = (bits >> col) & 1u ? s(r, col) : -INFINITY; }
+      }
+      return;
+    }
     int rid[size<0>(s)];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < size<0>(s); ++r) { rid[r] = __ldg(row_ids + min(row0 + get<0>(c(r, 0)), rows - 1)); }
@@ -180,9 +222,9 @@ struct QueryBlockMask {
   }
   // The view of query block m_block of batch row `batch` (FwdParams-like p).
   template <bool Segments = true, class Params>
-  CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch) {
+  CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch, int head) {
     return QueryBlockMask(m_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
-                          p.window_right, SegmentView::queries<Segments>(p, batch));
+                          p.window_right, SegmentView::queries<Segments>(p, batch, head));
   }
 
   CUTE_DEVICE bool empty() const { return n_block_max <= n_block_min; }
@@ -240,9 +282,9 @@ struct KeyBlockMask {
   }
   // The view of key block n_block of batch row `batch` (BwdParams-like p).
   template <class Params>
-  CUTE_DEVICE static KeyBlockMask of(const Params& p, int n_block, int batch, bool narrow) {
+  CUTE_DEVICE static KeyBlockMask of(const Params& p, int n_block, int batch, int kv_head, bool narrow) {
     return KeyBlockMask(n_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
-                        p.window_right, SegmentView::keys(p, batch), narrow);
+                        p.window_right, SegmentView::keys(p, batch, kv_head, kv_head), narrow);
   }
 
   // A split key block (bwd/tile_scheduler.h): share `piece` of `pieces`

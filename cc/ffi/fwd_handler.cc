@@ -28,7 +28,7 @@ const FwdKernelEntry* find_kernel(DType dtype, int d, const char* variant) {
 // below that its padding of short causal problems costs more than it gains
 // (benchmarks/RESULTS.md). It takes no segment ids (fwd/traits.h).
 const char* pick_variant(const FwdParams& p, DType dtype) {
-  if (p.d == 64 && p.seg.q_ids == nullptr && find_kernel(dtype, 64, "m192") != nullptr) {
+  if (p.d == 64 && p.seg.q_spans == nullptr && find_kernel(dtype, 64, "m192") != nullptr) {
     const bool unmasked = p.window_left < 0 && p.window_right < 0;
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
     if ((unmasked && p.t >= 1024) || (causal_like && p.t >= 4096)) { return "m192"; }
