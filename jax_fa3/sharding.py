@@ -41,12 +41,12 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_fa3 import primitives, ring, segments
+from jax_fa3 import primitives, ring, pair_rule
 
 __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd"]
 
 # Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
-# SEG: the four pair-rule operands (_seg_rule).
+# SEG: the four pair-rule operands (_pair_rule_factors).
 _FWD_RULE = "b t Q h, b s k h, b s k h, b, b, SEG -> b t Q h, b Q t"
 _BWD_RULE = ("b t Q h, b s k h, b s k h, b t Q h, b Q t, b t Q h, b, b, SEG "
              "-> b t Q h, b s k h, b s k h")
@@ -58,7 +58,7 @@ _SEQ_FREE = ("h", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l")
 _SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
 
 
-def _seg_rule(ops, first):
+def _pair_rule_factors(ops, first):
   """Factors of the pair-rule operands ops[first:first + 4] (their own, so
   the empty arrays of a call without a rule fit): segment ids i, j and span
   granules u, w of c = 4 values; a mask's bits [B|1, N|1, T, p = 4, a] /
@@ -82,7 +82,7 @@ def _rule(template, operand_types, replicated, v_transposed=False):
   n, kh = operand_types[0].shape[2], operand_types[1].shape[2]
   if "SEG" in template:
     first = template.split("SEG")[0].count(",")
-    template = template.replace("SEG", _seg_rule(operand_types, first))
+    template = template.replace("SEG", _pair_rule_factors(operand_types, first))
   template = template.replace("V", _V_LAYOUT[v_transposed])
   factors = list(dict.fromkeys(re.findall(r"[a-z]", template)))
   # Shardy wants them in the order the factors first appear.
@@ -176,7 +176,7 @@ class Plan:
   def lens(self):
     return self.ns(_entry(self.b))
 
-  def segs(self, arg_shapes, first):
+  def pairs(self, arg_shapes, first):
     """Shardings of the pair-rule operands arg_shapes[first:first + 4]:
     segment ids follow the batch; a mask the batch and heads it has."""
     a = arg_shapes[first]
@@ -212,18 +212,18 @@ def _plan(arg_shapes, mesh, window_left=-1, window_right=-1, ring=True):
 
 def _may_ring(arg_shapes, first_seg):
   """A sharded sequence rings only without a pair rule."""
-  return not segments.present(arg_shapes[first_seg:first_seg + 4])
+  return not pair_rule.present(arg_shapes[first_seg:first_seg + 4])
 
 
 # ------------------------------------------------------------ 16-bit calls
 def _fwd_local(plan, scale, softcap, window_left, window_right):
-  def lower(q, k, v, q_lens, kv_lens, *segs):
+  def lower(q, k, v, q_lens, kv_lens, *pairs):
     if plan.p > 1:  # no segment ids (_may_ring)
       return ring.ring_fwd(q, k, v, q_lens, kv_lens, plan.axis, plan.p,
                            "contiguous", window_right == 0,
                            dict(scale=scale, softcap=softcap),
                            (primitives.fa3_fwd, primitives.fa3_bwd))
-    return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, segs, scale=scale,
+    return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, pairs, scale=scale,
                               softcap=softcap, window_left=window_left,
                               window_right=window_right)
   return lower
@@ -233,13 +233,13 @@ def _bwd_local(plan, scale, softcap, window_left, window_right,
                deterministic):
   bwd = partial(primitives.fa3_bwd, deterministic=deterministic)
 
-  def lower(q, k, v, out, lse, dout, q_lens, kv_lens, *segs):
+  def lower(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs):
     if plan.p > 1:  # no segment ids (_may_ring)
       return ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                            plan.axis, plan.p, "contiguous", window_right == 0,
                            dict(scale=scale, softcap=softcap),
                            (primitives.fa3_fwd, bwd))
-    return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, segs, scale=scale,
+    return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, pairs, scale=scale,
                softcap=softcap, window_left=window_left,
                window_right=window_right)
   return lower
@@ -260,7 +260,7 @@ def _fwd_partition(scale, softcap, window_left, window_right, mesh,
   return (plan.mesh, _fwd_local(plan, scale, softcap, window_left,
                                 window_right),
           (plan.q, plan.lse),
-          (plan.q, plan.kv, plan.kv, plan.lens, plan.lens) + plan.segs(arg_shapes, 5))
+          (plan.q, plan.kv, plan.kv, plan.lens, plan.lens) + plan.pairs(arg_shapes, 5))
 
 
 def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, q_ids, kv_ids,
@@ -281,7 +281,7 @@ def _bwd_partition(scale, softcap, window_left, window_right, deterministic,
                                 window_right, deterministic),
           (plan.q, plan.kv, plan.kv),
           (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q, plan.lens,
-           plan.lens) + plan.segs(arg_shapes, 8))
+           plan.lens) + plan.pairs(arg_shapes, 8))
 
 
 # --------------------------------------------------------------- FP8 calls
@@ -325,7 +325,7 @@ def _fp8_fwd_partition(scale, window_left, window_right, out_dtype,
   v8 = plan.heads_major if v_transposed else plan.kv
   hm = plan.heads_major
   return (plan.mesh, local, (plan.q, plan.lse),
-          (plan.q, plan.kv, v8, hm, hm, hm, plan.lens, plan.lens) + plan.segs(arg_shapes, 8))
+          (plan.q, plan.kv, v8, hm, hm, hm, plan.lens, plan.lens) + plan.pairs(arg_shapes, 8))
 
 
 # ------------------------------------------------------------ registration
@@ -393,19 +393,19 @@ _fp8 = _partitioned(
 
 
 def fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-            window_right, segs=None):
-  """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``; ``segs``:
-  :func:`segments.operands` or None."""
-  segs = segments.absent(q.shape[0]) if segs is None else segs
-  return _fwd(q, k, v, q_lens, kv_lens, *segs, static=(
+            window_right, pairs=None):
+  """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``; ``pairs``:
+  :func:`pair_rule.from_segment_ids` or None."""
+  pairs = pair_rule.absent(q.shape[0]) if pairs is None else pairs
+  return _fwd(q, k, v, q_lens, kv_lens, *pairs, static=(
       float(scale), float(softcap), int(window_left), int(window_right)))
 
 
 def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, scale, softcap,
-            window_left, window_right, deterministic=False, segs=None):
+            window_left, window_right, deterministic=False, pairs=None):
   """Partitioned :func:`primitives.fa3_bwd` -> ``(dq, dk, dv)``."""
-  segs = segments.absent(q.shape[0]) if segs is None else segs
-  return _bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *segs, static=(
+  pairs = pair_rule.absent(q.shape[0]) if pairs is None else pairs
+  return _bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs, static=(
       float(scale), float(softcap), int(window_left), int(window_right),
       bool(deterministic)))
 
@@ -418,11 +418,11 @@ def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
 
 
 def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens,
-            segs=None, *, scale, window_left, window_right, out_dtype,
+            pairs=None, *, scale, window_left, window_right, out_dtype,
             v_transposed):
   """Partitioned :func:`primitives.fp8_fwd` -> ``(out, lse)``."""
-  segs = segments.absent(q8.shape[0]) if segs is None else segs
-  return _fp8(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *segs,
+  pairs = pair_rule.absent(q8.shape[0]) if pairs is None else pairs
+  return _fp8(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *pairs,
               static=(
       float(scale), int(window_left), int(window_right), np.dtype(out_dtype),
       bool(v_transposed)))

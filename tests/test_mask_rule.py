@@ -1,5 +1,5 @@
 """Boolean masks on the kernel path, checked on every host: the mask's spans
-pre-pass (jax_fa3.segments.mask_operands) against a brute force, and the
+pre-pass (jax_fa3.pair_rule.from_mask) against a brute force, and the
 kernels' primitive path (which lowers to the reference on XLA:CPU) against
 the reference path, forward and gradients, under vmap and over a mesh."""
 import numpy as np
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3 import segments
+from jax_fa3 import pair_rule
 
 from fa3_testing import close, rand
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 def _row_spans_bruteforce(m):
   """NumPy spans per granule of the rows of a bool [L, M]."""
-  G, big = segments.GRANULE, 1 << 30
+  G, big = pair_rule.GRANULE, 1 << 30
   out = []
   for g in range(-(-m.shape[0] // G)):
     lo, hi, flo, fhi = big, -big, -big, big
@@ -48,14 +48,14 @@ def test_mask_spans_and_packing(kind):
   rng = np.random.default_rng(len(kind))
   B, N, K, T, S = 2, 4, 2, 37, 53
   m = _masks(rng, B, N, T, S)[kind]
-  a, b, q_spans, kv_spans = segments.mask_operands(jnp.asarray(m), K)
+  a, b, q_spans, kv_spans = pair_rule.from_mask(jnp.asarray(m), K)
   mb, mn = m.shape[:2]
   assert a.dtype == b.dtype == jnp.int32
   # Bits in the accumulator order, one spare 128-column chunk; they round-trip.
   assert a.shape == (mb, mn, T, 4, -(-S // 128) + 1)
   assert b.shape == (mb, mn, S, 4, -(-T // 128) + 1)
-  np.testing.assert_array_equal(segments._unpack_bits(a, S), m)
-  np.testing.assert_array_equal(segments._unpack_bits(b, T),
+  np.testing.assert_array_equal(pair_rule._unpack_bits(a, S), m)
+  np.testing.assert_array_equal(pair_rule._unpack_bits(b, T),
                                 np.swapaxes(m, -1, -2))
   # Column 8 j + 2 t + e of chunk c: bit 2 j + e of word [t, c].
   words = np.asarray(a).view(np.uint32)

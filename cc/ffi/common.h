@@ -48,7 +48,7 @@ inline bool lens_match(const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ff
 
 using Ids = ffi::Buffer<ffi::S32>;
 
-// The pair-rule operands (params.h, SegmentParams), all four empty (none), or
+// The pair-rule operands (params.h, PairRuleParams), all four empty (none), or
 //  - segment ids: q_ids [B, T], kv_ids [B, S], spans [B, Gt, 4], [B, Gs, 4];
 //  - a mask: its bits (params.h) mask [MB, MN, T, 4, mask_chunks(S)] and
 //    mask_t [MB, MN, S, 4, mask_chunks(T)] (int32 words), spans
@@ -56,13 +56,13 @@ using Ids = ffi::Buffer<ffi::S32>;
 //    MK = 1 or K (MN = N);
 // with G = ceil(len / 16). Call after set_dims. False when the shapes do not fit.
 template <class Params>
-bool set_segments(Params& p, const Ids& a, const Ids& b, const Ids& q_spans, const Ids& kv_spans) {
-  p.seg = SegmentParams{};
+bool set_pair_rule(Params& p, const Ids& a, const Ids& b, const Ids& q_spans, const Ids& kv_spans) {
+  p.pair = PairRuleParams{};
   if (a.element_count() == 0 && b.element_count() == 0 && q_spans.element_count() == 0 &&
       kv_spans.element_count() == 0) {
     return true;
   }
-  auto granules = [](int len) { return int64_t(len + kSegmentGranule - 1) / kSegmentGranule; };
+  auto granules = [](int len) { return int64_t(len + kSpanGranule - 1) / kSpanGranule; };
   auto dims = [](const Ids& x) { auto d = x.dimensions(); return std::vector<int64_t>(d.begin(), d.end()); };
   using D = std::vector<int64_t>;
   if (dims(a).size() == 2) {
@@ -70,9 +70,9 @@ bool set_segments(Params& p, const Ids& a, const Ids& b, const Ids& q_spans, con
         dims(kv_spans) != D{p.b, granules(p.s), 4}) {
       return false;
     }
-    p.seg.q_ids = a.typed_data();
-    p.seg.kv_ids = b.typed_data();
-    p.seg.mask_b = p.b;
+    p.pair.q_ids = a.typed_data();
+    p.pair.kv_ids = b.typed_data();
+    p.pair.mask_b = p.b;
   } else {
     const D da = dims(a), dk = dims(kv_spans);
     if (da.size() != 5 || dk.size() != 4) return false;
@@ -84,12 +84,12 @@ bool set_segments(Params& p, const Ids& a, const Ids& b, const Ids& q_spans, con
         dk != D{mb, mk, granules(p.s), 4}) {
       return false;
     }
-    p.seg.mask = reinterpret_cast<const uint32_t*>(a.typed_data());
-    p.seg.mask_t = reinterpret_cast<const uint32_t*>(b.typed_data());
-    p.seg.mask_b = int(mb); p.seg.mask_n = int(mn); p.seg.mask_kh = int(mk);
+    p.pair.mask = reinterpret_cast<const uint32_t*>(a.typed_data());
+    p.pair.mask_t = reinterpret_cast<const uint32_t*>(b.typed_data());
+    p.pair.mask_b = int(mb); p.pair.mask_n = int(mn); p.pair.mask_kh = int(mk);
   }
-  p.seg.q_spans = q_spans.typed_data();
-  p.seg.kv_spans = kv_spans.typed_data();
+  p.pair.q_spans = q_spans.typed_data();
+  p.pair.kv_spans = kv_spans.typed_data();
   return true;
 }
 

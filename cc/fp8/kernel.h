@@ -183,8 +183,8 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
             QueryBlockMask<kRowsPerWG, kBlockN>::of(p, tile.m_block * (kBlockM / kRowsPerWG) + wg, tile.batch, tile.head);
         if (!wg_mask.empty()) { ref_lo = wg_mask.n_block_min; ref_hi = wg_mask.n_block_max; }  // else rows past q_len
       }
-      auto segs = [&p, batch = tile.batch, head = tile.head] { return SegmentView::queries(p, batch, head); };
-      const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, segs, ref_lo, ref_hi,
+      auto pairs = [&p, batch = tile.batch, head = tile.head] { return PairRuleView::queries(p, batch, head); };
+      const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, pairs, ref_lo, ref_hi,
                                          scale_log2 * q_scale,
                                          params.k_scale + kv_row, params.v_scale + kv_row,
                                          pipe_k, state_kv, pipe_vsrc, state_vt, softmax, acc_o);

@@ -102,7 +102,7 @@ void poison_outputs(const Buffers& m) {
 jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int right,
                               const check_util::Segments& seg) {
   jax_fa3::FwdParams p;
-  seg.attach(p.seg);
+  seg.attach(p.pair);
   p.q = m.q; p.k = m.k; p.v = m.v; p.o = m.o; p.lse = m.lse; p.q_lens = m.ql; p.kv_lens = m.kl;
   p.b = m.b; p.t = m.t; p.s = m.s; p.n = m.n; p.kh = m.kh; p.d = m.d;
   p.scale = 1.f / std::sqrt(float(m.d)); p.softcap = softcap;
@@ -113,7 +113,7 @@ jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int rig
 jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int right, bool deterministic,
                               const check_util::Segments& seg) {
   jax_fa3::BwdParams p;
-  seg.attach(p.seg);
+  seg.attach(p.pair);
   p.q = m.q; p.k = m.k; p.v = m.v; p.o = m.o; p.dout = m.dout; p.lse = m.lse;
   p.q_lens = m.ql; p.kv_lens = m.kl;
   p.dq = m.dq; p.dk = m.dk; p.dv = m.dv;

@@ -155,7 +155,7 @@ inline bool parse_time_spec(const char* s, TimeSpec& ts) {
 // Segment ids of a case: `docs` contiguous documents spread evenly over the
 // queries and over the keys, or (scattered) ids drawn at random from
 // [0, docs), and the spans the kernels read (cc/fwd/params.h), computed by
-// brute force as jax_fa3/segments.py defines them. docs = 0: none.
+// brute force as jax_fa3/pair_rule.py defines them. docs = 0: none.
 // as_mask: the kernels get the same rule as a boolean mask [b, 1, t, s]
 // (equal ids) and its transpose, as bits (cc/fwd/params.h), instead of the ids.
 struct Segments {
@@ -211,8 +211,8 @@ struct Segments {
   bool on() const { return !q_ids.empty(); }
   // Query i and key j of batch row x have equal ids (always, without ids).
   bool same(int x, int i, int j) const { return !on() || q_ids[size_t(x) * t + i] == kv_ids[size_t(x) * s + j]; }
-  template <class SegmentParams>
-  void attach(SegmentParams& sp) const {
+  template <class PairRuleParams>
+  void attach(PairRuleParams& sp) const {
     if (!on()) return;
     sp.q_spans = dev[2]; sp.kv_spans = dev[3]; sp.mask_b = b;
     if (dev_mask[0] != nullptr) {

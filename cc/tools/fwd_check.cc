@@ -70,7 +70,7 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
   const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
-  seg.attach(p.seg);
+  seg.attach(p.pair);
 
   std::vector<uint16_t> out[2];
   std::vector<float> lse[2];

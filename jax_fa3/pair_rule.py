@@ -9,10 +9,10 @@ the granule sees lie in ``[lo, hi)``, and every row of it sees all of
 ``[full_lo, full_hi)`` (empty where a row's visible positions are not one
 contiguous run: those rows are tested element by element).  A block outside
 ``[lo, hi)`` is skipped, one inside ``[full_lo, full_hi)`` needs no element
-test.  The layout is ``SegmentParams`` in ``cc/fwd/params.h``.
+test.  The layout is ``PairRuleParams`` in ``cc/fwd/params.h``.
 
-The kernel operands are four arrays: :func:`operands` (ids and spans),
-:func:`mask_operands` (the mask's bits in the kernels' order, its transpose,
+The kernel operands are four arrays: :func:`from_segment_ids` (ids and spans),
+:func:`from_mask` (the mask's bits in the kernels' order, its transpose,
 and spans) or :func:`absent` (four empty arrays: no rule), so every call has
 one signature; the rank of the first tells ids (2) from a mask (5).
 """
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["GRANULE", "operands", "mask_operands", "absent", "present",
+__all__ = ["GRANULE", "from_segment_ids", "from_mask", "absent", "present",
            "is_mask", "reference_kwargs", "dense_mask"]
 
 GRANULE = 16  # kSegmentGranule in cc/fwd/params.h
@@ -114,7 +114,7 @@ def _unpack_bits(w, L):
   return x.reshape(w.shape[:-2] + (C * 128,))[..., :L] != 0
 
 
-def mask_operands(mask, kv_heads):
+def from_mask(mask, kv_heads):
   """bool ``[B|1, N|1, T, S]`` -> the kernels' four operands: the mask and
   its transpose as bits (:func:`_pack_bits`), query spans ``[B|1, N|1, Gt,
   4]`` and key spans ``[B|1, K|1, Gs, 4]`` (a kv head's span covers its query
@@ -131,7 +131,7 @@ def mask_operands(mask, kv_heads):
   return _pack_bits(mask), _pack_bits(mask_t), q_spans, kv_spans
 
 
-def operands(q_ids, kv_ids):
+def from_segment_ids(q_ids, kv_ids):
   """int32 ``[B, T]`` / ``[B, S]`` ids -> the kernels' four operands
   ``(q_ids, kv_ids, q_spans [B, Gt, 4], kv_spans [B, Gs, 4])``."""
   q_ids = q_ids.astype(jnp.int32)
@@ -148,23 +148,23 @@ def absent(batch):
   return ids, ids, spans, spans
 
 
-def present(segs) -> bool:
+def present(pairs) -> bool:
   """Whether the four operands (arrays or shapes) carry a rule."""
-  return is_mask(segs) or segs[0].shape[1] > 0
+  return is_mask(pairs) or pairs[0].shape[1] > 0
 
 
-def is_mask(segs) -> bool:
+def is_mask(pairs) -> bool:
   """Whether the four operands carry a mask (else ids, or nothing)."""
-  return len(segs[0].shape) == 5
+  return len(pairs[0].shape) == 5
 
 
-def reference_kwargs(segs, T, S):
+def reference_kwargs(pairs, T, S):
   """The reference's keywords for the four operands: ``q_segment_ids`` /
   ``kv_segment_ids``, or ``mask`` (bool ``[B|1, N|1, T, S]``)."""
-  if is_mask(segs):
-    return dict(mask=_unpack_bits(segs[0], S))
-  if present(segs):
-    return dict(q_segment_ids=segs[0], kv_segment_ids=segs[1])
+  if is_mask(pairs):
+    return dict(mask=_unpack_bits(pairs[0], S))
+  if present(pairs):
+    return dict(q_segment_ids=pairs[0], kv_segment_ids=pairs[1])
   return {}
 
 
