@@ -71,6 +71,19 @@ CUTE_HOST_DEVICE Interval blocks_of(Interval r) {
   return r.empty() ? Interval{0, 0} : Interval{r.lo / kBlock, (r.hi + kBlock - 1) / kBlock};
 }
 
+// Where a lane's mask bits for a block lie (params.h, mask bits): the word
+// holding its first 8-column group and the shift that puts fragment column 0
+// at bit 0 of the two-word window. first_col: the tile column of the lane's
+// first element (base + 2 t); col0: the block's first column (a multiple of 16).
+struct MaskBitsAt {
+  int64_t word;
+  int shift;
+};
+CUTE_HOST_DEVICE MaskBitsAt mask_bits_at(int row, int first_col, int col0, int chunks) {
+  const int g0 = (col0 + first_col) / 8;
+  return {(int64_t(row) * 4 + (first_col / 2) % 4) * chunks + g0 / 16, 2 * (g0 % 16)};
+}
+
 // The pair rule (segment ids or a mask, params.h) of one batch row and head
 // seen from one side: rows are the block's own positions (queries in the
 // forward, keys in the backward), cols the other side's.
@@ -147,17 +160,17 @@ struct PairRuleView {
     if (row_bits != nullptr) {
       // Two words per row hold this lane's columns of the block (params.h).
       // The row-col view of a WGMMA accumulator orders a lane's columns
-      // 8 j + 2 t + e as 2 j + e: fragment column `col` is bit `col` after
-      // the shift, a constant (a per-element computed shift would be hoisted
-      // out of the key-block loop as dozens of live registers).
+      // base + 8 j + 2 t + e as 2 j + e (base: where its warpgroup's columns
+      // start, 0 unless the warpgroups split the columns): fragment column
+      // `col` is bit `col` after the shift, a constant (a per-element
+      // computed shift would be hoisted out of the block loop as dozens of
+      // live registers).
       static_assert(decltype(size<1>(s))::value <= 32, "a block's lane columns fit one 32-bit window");
-      const int g0 = col0 / 8;  // col0: a multiple of 16
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
-        const int row = min(row0 + get<0>(c(r, 0)), rows - 1);
-        const int lane_t = (get<1>(c(r, 0)) / 2) % 4;
-        const uint32_t* w = row_bits + (int64_t(row) * 4 + lane_t) * chunks + g0 / 16;
-        const uint32_t bits = uint32_t(((uint64_t(__ldg(w + 1)) << 32) | __ldg(w)) >> (2 * (g0 % 16)));
+        const MaskBitsAt at = mask_bits_at(min(row0 + get<0>(c(r, 0)), rows - 1), get<1>(c(r, 0)), col0, chunks);
+        const uint32_t* w = row_bits + at.word;
+        const uint32_t bits = uint32_t(((uint64_t(__ldg(w + 1)) << 32) | __ldg(w)) >> at.shift);
         CUTLASS_PRAGMA_UNROLL
         for (int col = 0; col < size<1>(s); ++col) { s(r, col) = (bits >> col) & 1u ? s(r, col) : -INFINITY; }
       }
