@@ -391,8 +391,9 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
   (partitioned) or, for ``implementation="reference"`` or where the kernel
   cannot run, the emulation.  ``v_transposed``: v8 is V^T from
   ``quantize_qkv(..., use_kernel=True, v_transposed=True)``; kernel only.
-  ``pairs``: None, segment ids ``(q int32 [B,T], kv int32 [B,S])``, or
-  those with their spans (:func:`pair_rule.from_segment_ids`)."""
+  ``pairs``: None or segment ids -- the pair ``(q int32 [B,T], kv int32
+  [B,S])`` for the emulation, the kernels' operands
+  (:func:`pair_rule.from_segment_ids`, ids first) for either."""
   b, t, n, h = q8.shape
   s = k8.shape[1]
   blocker = fp8_kernel_blocker(out_dtype, h)
@@ -404,8 +405,6 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
   if implementation != "reference" and blocker is None:
     ql = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens
     kl = jnp.full((b,), s, jnp.int32) if kv_lens is None else kv_lens
-    if pairs is not None and len(pairs) == 2:
-      pairs = pair_rule.from_segment_ids(*pairs)
     return sharding.fp8_fwd(q8, k8, v8, qs, ks, vs, ql, kl, pairs, scale=scale,
                             window_left=wl, window_right=wr,
                             out_dtype=out_dtype, v_transposed=v_transposed)
