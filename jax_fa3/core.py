@@ -87,7 +87,7 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
   elif mask is not None and bias is None and cfg.kernel and cfg.fp8 is None:
     if cfg.ring is not None:
       raise ValueError("masks are not supported by ring attention")
-    pairs, mask = pair_rule.from_mask(mask, k.shape[2]), None
+    pairs, mask = pair_rule.from_mask(mask, k.shape[2], T, S), None
   return _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg)
 
 

@@ -43,8 +43,10 @@ def _row_spans(a, b):
   with the same id: ``(lo, hi, full_lo, full_hi)`` as in the module doc."""
   order = jnp.argsort(b, stable=True)
   sb = b[order]
-  first_i = jnp.searchsorted(sb, a, side="left")
-  end_i = jnp.searchsorted(sb, a, side="right")
+  # Unrolled: the default lowers to a while loop, which on a GPU waits for
+  # the host every iteration.
+  first_i = jnp.searchsorted(sb, a, side="left", method="scan_unrolled")
+  end_i = jnp.searchsorted(sb, a, side="right", method="scan_unrolled")
   count = end_i - first_i
   found = count > 0
   last_b = b.shape[0] - 1
@@ -114,13 +116,15 @@ def _unpack_bits(w, L):
   return x.reshape(w.shape[:-2] + (C * 128,))[..., :L] != 0
 
 
-def from_mask(mask, kv_heads):
-  """bool ``[B|1, N|1, T, S]`` -> the kernels' four operands: the mask and
+def from_mask(mask, kv_heads, T, S):
+  """bool ``[B|1, N|1, T|1, S|1]`` -> the kernels' four operands: the mask and
   its transpose as bits (:func:`_pack_bits`), query spans ``[B|1, N|1, Gt,
   4]`` and key spans ``[B|1, K|1, Gs, 4]`` (a kv head's span covers its query
   heads)."""
   mask = jnp.asarray(mask, bool)
-  mb, mn, T, S = mask.shape
+  # The bits and spans index every (row, column): broadcast T and S first.
+  mask = jnp.broadcast_to(mask, mask.shape[:2] + (T, S))
+  mb, mn = mask.shape[:2]
   q_spans = _granules(_mask_row_spans(mask), T)
   mask_t = jnp.swapaxes(mask, -1, -2)
   kv_spans = _granules(_mask_row_spans(mask_t), S)  # [mb, mn, Gs, 4]

@@ -108,7 +108,7 @@ def _head_mask(user_mask, b, hs, base):
   um = np.asarray(user_mask, bool)
   um = um[b if um.shape[0] > 1 else 0]
   um = um[hs] if um.shape[0] > 1 else um
-  return base[None] & um
+  return np.broadcast_to(base[None] & um, (hs.stop - hs.start,) + base.shape)
 
 
 def row_valid(b, t, s, q_lens, kv_lens, causal, window) -> np.ndarray:

@@ -42,13 +42,30 @@ def _masks(rng, B, N, T, S):
           "causal_padding": causal & pad, "random_per_head": rand_}
 
 
+def test_mask_broadcast_over_rows_and_columns():
+  # A key-padding mask [B, 1, 1, S] (Flax make_attention_mask's shape for one
+  # query row) gives the operands of its explicit [B, 1, T, S] broadcast.
+  rng = np.random.default_rng(3)
+  B, K, T, S = 2, 2, 37, 53
+  pad = np.arange(S)[None, None, None, :] < rng.integers(1, S + 1, (B, 1, 1, 1))
+  got = pair_rule.from_mask(jnp.asarray(pad), K, T, S)
+  want = pair_rule.from_mask(jnp.asarray(np.broadcast_to(pad, (B, 1, T, S))), K, T, S)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape
+    np.testing.assert_array_equal(g, w)
+  col = np.ones((1, 1, T, 1), bool)  # broadcast over keys
+  a = pair_rule.from_mask(jnp.asarray(col), K, T, S)[0]
+  assert a.shape == (1, 1, T, 4, -(-S // 128) + 1)
+  np.testing.assert_array_equal(pair_rule._unpack_bits(a, S), np.ones((1, 1, T, S), bool))
+
+
 @pytest.mark.parametrize("kind", ["causal", "padding", "causal_padding",
                                   "random_per_head"])
 def test_mask_spans_and_packing(kind):
   rng = np.random.default_rng(len(kind))
   B, N, K, T, S = 2, 4, 2, 37, 53
   m = _masks(rng, B, N, T, S)[kind]
-  a, b, q_spans, kv_spans = pair_rule.from_mask(jnp.asarray(m), K)
+  a, b, q_spans, kv_spans = pair_rule.from_mask(jnp.asarray(m), K, T, S)
   mb, mn = m.shape[:2]
   assert a.dtype == b.dtype == jnp.int32
   # Bits in the accumulator order, one spare 128-column chunk; they round-trip.
