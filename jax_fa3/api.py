@@ -51,9 +51,11 @@ def _check_mask_args(query_seq_lengths, key_value_seq_lengths,
 
 
 def _not_on_kernel(bias, mask):
-  """The argument(s) the kernels cannot take yet (None if none)."""
-  if bias is not None or mask is not None:
-    return "bias/mask are"
+  """The argument(s) the kernels cannot take yet (None if none): a bias
+  (and a mask that comes with one)."""
+  del mask  # a boolean mask alone runs on the kernels
+  if bias is not None:
+    return "bias is"
   return None
 
 
@@ -212,8 +214,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
 
   ``implementation``: None (jax_fa3: kernel when supported, else the
   reference), ``"fa3"``, ``"reference"``, or ``"xla"``/``"cudnn"`` (delegated
-  to ``jax.nn.dot_product_attention``).  ``bias``/``mask`` (broadcastable to
-  ``[B, N, T, S]``) use the blockwise reference.  ``return_residual=True``
+  to ``jax.nn.dot_product_attention``).  ``mask`` (bool, broadcastable to
+  ``[B, N, T, S]``) runs on the kernels, which skip the blocks it hides
+  entirely; ``bias`` (with or without a mask) uses the blockwise reference.
+  ``return_residual=True``
   returns ``(out, lse)`` with ``lse`` shaped ``[B, T, N]`` (``[T, N]`` for 3-D
   inputs) in ``key.dtype`` and without gradient, like jax.nn.  Rows with no
   visible key give 0 and an lse of ``+inf`` (jax.nn: mean(V) and a large
@@ -284,7 +288,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None,
 
   Inputs are ``[batch..., length, heads, features]`` (any number of leading
   batch dims, including none).  ``mask`` (True = attend) and ``bias`` follow
-  flax semantics and use the reference path; ``is_causal`` (nnx) is folded
+  flax semantics; a mask runs on the kernels, a bias on the reference path
+  (as :func:`dot_product_attention`); ``is_causal`` (nnx) is folded
   into the kernel's window.  ``dtype`` casts q/k/v (otherwise they are promoted
   to a common dtype); ``precision`` is ignored (the softmax is always fp32).
   Dropout is not supported (``dropout_rate > 0`` with ``deterministic=False``

@@ -2,7 +2,7 @@
 
 :class:`Config` (static, hashable) says what runs: the 16-bit kernels
 (partitioned calls of :mod:`jax_fa3.sharding`) or the blockwise reference
-(the only path for ``bias`` / ``mask``); optionally FP8 for the forward, or
+(the only path for ``bias``); optionally FP8 for the forward, or
 a ring over a ``shard_map`` axis (:mod:`jax_fa3.ring`).
 The backward is always the 16-bit one: for FP8 it is straight-through,
 evaluated at the unquantized inputs (the 16-bit forward is recomputed there
@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_fa3 import fp8, primitives, reference, ring, segments, sharding
+from jax_fa3 import fp8, primitives, reference, ring, pair_rule, sharding
 
 __all__ = ["Config", "FP8Config", "RingConfig", "attention", "BLOCK_K"]
 
@@ -67,8 +67,9 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
 
   ``segment_ids``: None or ``(q_ids int32 [B,T], kv_ids int32 [B,S])``
   (packed sequences: query ``i`` sees key ``j`` only where the ids are
-  equal); not with ring attention.  The kernels get them with their spans
-  (:mod:`jax_fa3.segments`), computed once here and kept for the backward.
+  equal); not with ring attention.  The kernels get them, or a ``mask``
+  without ``bias``, as the pair-rule operands of :mod:`jax_fa3.pair_rule`
+  (with their spans), computed once here and kept for the backward.
   ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
   gradient (reference path), the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
@@ -77,12 +78,17 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
     q_lens = jnp.full((B,), T, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((B,), S, jnp.int32)
+  pairs = segment_ids
   if segment_ids is not None:
     if cfg.ring is not None:
       raise ValueError("segment ids are not supported by ring attention")
     if cfg.kernel or (cfg.fp8 is not None and cfg.fp8.kernel):
-      segment_ids = segments.operands(*segment_ids)
-  return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg)
+      pairs = pair_rule.from_segment_ids(*segment_ids)
+  elif mask is not None and bias is None and cfg.kernel and cfg.fp8 is None:
+    if cfg.ring is not None:
+      raise ValueError("masks are not supported by ring attention")
+    pairs, mask = pair_rule.from_mask(mask, k.shape[2], T, S), None
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg)
 
 
 def _local_fns(cfg):
@@ -99,14 +105,14 @@ def _ring_args(cfg):
           dict(scale=cfg.scale, softcap=cfg.softcap), _local_fns(cfg))
 
 
-def _seg_kwargs(segment_ids):
-  """Reference keywords for ``segment_ids``: None, the ids pair, or the
-  kernels' four operands."""
-  q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids[:2]
+def _seg_kwargs(pairs):
+  """Reference keywords for ``pairs``: None, the segment ids pair, or the
+  kernels' segment-id operands (mask operands only reach the kernels)."""
+  q_ids, kv_ids = (None, None) if pairs is None else pairs[:2]
   return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
 
-def _forward16(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg):
+def _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg):
   if cfg.kernel_error is not None:
     raise ValueError(f"implementation='fa3' is not possible: "
                      f"{cfg.kernel_error}")
@@ -116,14 +122,14 @@ def _forward16(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg):
     # The primitives' abstract eval drops shard_map's varying-axes type;
     # restore it so check_vma=True accepts results and cotangent types.
     return reference.varying_like(sharding.fa3_fwd(
-        q, k, v, q_lens, kv_lens, segs=segment_ids, **cfg.attrs),
+        q, k, v, q_lens, kv_lens, pairs=pairs, **cfg.attrs),
         q, k, v, q_lens, kv_lens)
   return reference.attention_fwd(q, k, v, q_lens, kv_lens, bias=bias,
                                  mask=mask, block_k=cfg.block_k,
-                                 **_seg_kwargs(segment_ids), **cfg.attrs)
+                                 **_seg_kwargs(pairs), **cfg.attrs)
 
 
-def _forward_fp8(q, k, v, q_lens, kv_lens, segment_ids, cfg):
+def _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg):
   f = cfg.fp8
   # The kernel path has the pre-pass write V^T (fp8 module docstring).
   q8, k8, v8, qs, ks, vs = fp8.quantize_qkv(
@@ -132,29 +138,29 @@ def _forward_fp8(q, k, v, q_lens, kv_lens, segment_ids, cfg):
   return fp8.attention_quantized(
       q8, k8, v8, qs, ks, vs, q_lens, kv_lens, cfg.scale, cfg.window_left,
       cfg.window_right, q.dtype, "fa3" if f.kernel else "reference",
-      v_transposed=f.kernel, segs=segment_ids)
+      v_transposed=f.kernel, pairs=pairs)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg):
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg):
   if cfg.fp8 is not None:
-    return _forward_fp8(q, k, v, q_lens, kv_lens, segment_ids, cfg)
-  return _forward16(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg)
+    return _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg)
+  return _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg)
 
 
-def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, cfg):
-  out, lse = _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids,
+def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg):
+  out, lse = _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs,
                         cfg)
   saved = (None, None) if cfg.fp8 is not None else (out, lse)
   return (out, lse), (q, k, v, q_lens, kv_lens, bias, mask,
-                      segment_ids) + saved
+                      pairs) + saved
 
 
 def _vjp_bwd(cfg, res, cts):
-  q, k, v, q_lens, kv_lens, bias, mask, segment_ids, out, lse = res
+  q, k, v, q_lens, kv_lens, bias, mask, pairs, out, lse = res
   dout, _ = cts
   if cfg.fp8 is not None:
-    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, segment_ids,
+    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs,
                           cfg)
   if cfg.ring is not None:
     dq, dk, dv = ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
@@ -163,15 +169,15 @@ def _vjp_bwd(cfg, res, cts):
   elif cfg.kernel:
     grads = sharding.fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype),
                              q_lens, kv_lens, deterministic=cfg.deterministic,
-                             segs=segment_ids, **cfg.attrs)
+                             pairs=pairs, **cfg.attrs)
     dq, dk, dv = (reference.varying_like(g, x)
                   for g, x in zip(grads, (q, k, v)))
     dbias = None
   else:
     dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
         q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
-        block_k=cfg.block_k, **_seg_kwargs(segment_ids), **cfg.attrs)
-  dseg = None if segment_ids is None else (None,) * len(segment_ids)
+        block_k=cfg.block_k, **_seg_kwargs(pairs), **cfg.attrs)
+  dseg = None if pairs is None else (None,) * len(pairs)
   return dq, dk, dv, None, None, dbias, None, dseg
 
 

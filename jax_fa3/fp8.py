@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import mlir
 
-from jax_fa3 import _native, _validate as V, primitives, segments, sharding
+from jax_fa3 import _native, _validate as V, primitives, pair_rule, sharding
 
 __all__ = ["quantize_fp8", "quantize_qkv", "attention_quantized",
            "emulate_fp8_attention", "hadamard_signs", "rotate",
@@ -290,15 +290,19 @@ def _quantize_emulation(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
   return (*outs, *scales)
 
 
-def _fwd_emulation(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *segs, scale,
+def _fwd_emulation(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *pairs, scale,
                    window_left, window_right, out_dtype, v_transposed):
   if v_transposed:
     v8 = _from_vt_layout(v8, k8.shape[1])
-  q_ids, kv_ids = segments.ids_of(segs)
+  if pair_rule.is_mask(pairs):  # precision="fp8" takes no mask (api.py)
+    raise ValueError("the FP8 kernels take segment ids, not masks")
+  kw = pair_rule.reference_kwargs(pairs, q8.shape[1], k8.shape[1])
+  mask = (pair_rule.dense_mask(kw["q_segment_ids"], kw["kv_segment_ids"])
+          if kw else None)
   return emulate_fp8_attention(
       q8, k8, v8, qs, ks, vs, scale=scale, q_lens=q_lens, kv_lens=kv_lens,
       window_left=window_left, window_right=window_right, out_dtype=out_dtype,
-      mask=None if q_ids is None else segments.dense_mask(q_ids, kv_ids))
+      mask=mask)
 
 
 # Off CUDA the FP8 primitives are this emulation (as the 16-bit ones are the
@@ -382,14 +386,14 @@ def check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
 
 def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
                         wr, out_dtype, implementation, v_transposed=False,
-                        segs=None):
+                        pairs=None):
   """Attention on validated e4m3 operands -> ``(out, lse)``: the FP8 kernel
   (partitioned) or, for ``implementation="reference"`` or where the kernel
   cannot run, the emulation.  ``v_transposed``: v8 is V^T from
   ``quantize_qkv(..., use_kernel=True, v_transposed=True)``; kernel only.
-  ``segs``: None or segment ids -- the pair ``(q int32 [B,T], kv int32
+  ``pairs``: None or segment ids -- the pair ``(q int32 [B,T], kv int32
   [B,S])`` for the emulation, the kernels' operands
-  (:func:`segments.operands`, ids first) for either."""
+  (:func:`pair_rule.from_segment_ids`, ids first) for either."""
   b, t, n, h = q8.shape
   s = k8.shape[1]
   blocker = fp8_kernel_blocker(out_dtype, h)
@@ -401,10 +405,10 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
   if implementation != "reference" and blocker is None:
     ql = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens
     kl = jnp.full((b,), s, jnp.int32) if kv_lens is None else kv_lens
-    return sharding.fp8_fwd(q8, k8, v8, qs, ks, vs, ql, kl, segs, scale=scale,
+    return sharding.fp8_fwd(q8, k8, v8, qs, ks, vs, ql, kl, pairs, scale=scale,
                             window_left=wl, window_right=wr,
                             out_dtype=out_dtype, v_transposed=v_transposed)
-  mask = None if segs is None else segments.dense_mask(*segs[:2])
+  mask = None if pairs is None else pair_rule.dense_mask(*pairs[:2])
   return emulate_fp8_attention(q8, k8, v8, qs, ks, vs, scale=scale,
                                q_lens=q_lens, kv_lens=kv_lens, window_left=wl,
                                window_right=wr, out_dtype=out_dtype, mask=mask)

@@ -12,8 +12,8 @@ On CUDA they lower to the FFI custom calls (the contract is in ``cc/ffi``).
 On every other platform they lower to pure JAX (:mod:`jax_fa3.reference`;
 the FP8 pair to the emulation that :mod:`jax_fa3.fp8` registers), so the
 whole primitive path runs, and is tested, on CPU.  The attention primitives
-take the four segment-id operands of :mod:`jax_fa3.segments` after the
-lengths (empty arrays when there are none).  Static parameters are
+take the four pair-rule operands of :mod:`jax_fa3.pair_rule` (segment ids or
+a mask) after the lengths (empty arrays when there are none).  Static parameters are
 Python numbers in the primitive params and become ``np.float32`` /
 ``np.int32`` FFI attributes at lowering time.
 
@@ -32,7 +32,7 @@ from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_fa3 import _native, reference, segments
+from jax_fa3 import _native, reference, pair_rule
 
 __all__ = ["fa3_fwd_p", "fa3_bwd_p", "fp8_quantize_p", "fp8_fwd_p",
            "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd", "fold_vmap",
@@ -63,26 +63,26 @@ fp8_fwd_p = _primitive("fp8_fwd")
 
 
 # ------------------------------------------------------------------ binders
-def _segs(segs, batch):
-  return segments.absent(batch) if segs is None else tuple(segs)
+def _segs(pairs, batch):
+  return pair_rule.absent(batch) if pairs is None else tuple(pairs)
 
 
-def fa3_fwd(q, k, v, q_lens, kv_lens, segs=None, *, scale, softcap=0.0,
+def fa3_fwd(q, k, v, q_lens, kv_lens, pairs=None, *, scale, softcap=0.0,
             window_left=-1, window_right=-1):
-  """``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``; ``segs``: the segment
-  operands (:func:`jax_fa3.segments.operands`) or None."""
+  """``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``; ``pairs``: the segment
+  operands (:func:`jax_fa3.pair_rule.from_segment_ids`) or None."""
   return tuple(fa3_fwd_p.bind(
-      q, k, v, q_lens, kv_lens, *_segs(segs, q.shape[0]), scale=float(scale),
+      q, k, v, q_lens, kv_lens, *_segs(pairs, q.shape[0]), scale=float(scale),
       softcap=float(softcap),
       window_left=int(window_left), window_right=int(window_right)))
 
 
-def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, segs=None, *, scale,
+def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, pairs=None, *, scale,
             softcap=0.0, window_left=-1, window_right=-1, deterministic=False):
   """``(dq, dk, dv)``; ``deterministic`` fixes the kernel's dQ summation
   order (bit-identical gradients run to run)."""
   return tuple(fa3_bwd_p.bind(
-      q, k, v, out, lse, dout, q_lens, kv_lens, *_segs(segs, q.shape[0]),
+      q, k, v, out, lse, dout, q_lens, kv_lens, *_segs(pairs, q.shape[0]),
       scale=float(scale),
       softcap=float(softcap), window_left=int(window_left),
       window_right=int(window_right), deterministic=bool(deterministic)))
@@ -98,12 +98,12 @@ def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
       hadamard=bool(hadamard), v_transposed=bool(v_transposed)))
 
 
-def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, segs=None,
+def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, pairs=None,
             *, scale, window_left, window_right, out_dtype, v_transposed):
   """``(out [B,T,N,H] out_dtype, lse f32 [B,N,T])``."""
   return tuple(fp8_fwd_p.bind(
       q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens,
-      *_segs(segs, q8.shape[0]),
+      *_segs(pairs, q8.shape[0]),
       scale=float(scale), window_left=int(window_left),
       window_right=int(window_right), out_dtype=np.dtype(out_dtype),
       v_transposed=bool(v_transposed)))
@@ -226,22 +226,20 @@ def bwd_kernel_available(dtype, head_dim) -> bool:
           int(head_dim)) in _native.compiled_bwd_configs()
 
 
-def _segment_kwargs(segs):
-  """The reference's segment-id keywords for the four operands."""
-  q_ids, kv_ids = segments.ids_of(segs)
-  return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+def _rule_kwargs(pairs, q, k):
+  return pair_rule.reference_kwargs(pairs, q.shape[1], k.shape[1])
 
 
-def _reference_fwd(q, k, v, q_lens, kv_lens, *segs, **attrs):
+def _reference_fwd(q, k, v, q_lens, kv_lens, *pairs, **attrs):
   return reference.attention_fwd(q, k, v, q_lens, kv_lens,
-                                 **_segment_kwargs(segs), **attrs)
+                                 **_rule_kwargs(pairs, q, k), **attrs)
 
 
-def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *segs,
+def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs,
                    deterministic, **attrs):
   del deterministic  # the reference's summation order is fixed
   return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                                 **_segment_kwargs(segs), **attrs)
+                                 **_rule_kwargs(pairs, q, k), **attrs)
 
 
 _bwd_kernel = _ffi(BWD_TARGET, _bwd_kernel_shapes, _bwd_kernel_attrs, 3)

@@ -41,24 +41,38 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_fa3 import primitives, ring, segments
+from jax_fa3 import primitives, ring, pair_rule
 
 __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd"]
 
 # Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
-# _SEG: the segment operands (ids i, j and span granules u, w of c = 4
-# values; empty arrays without segment ids, hence their own factors).
-_SEG = ", b i, b j, b u c, b w c"
-_FWD_RULE = "b t Q h, b s k h, b s k h, b, b" + _SEG + " -> b t Q h, b Q t"
-_BWD_RULE = ("b t Q h, b s k h, b s k h, b t Q h, b Q t, b t Q h, b, b" + _SEG +
-             " -> b t Q h, b s k h, b s k h")
+# SEG: the four pair-rule operands (_pair_rule_factors).
+_FWD_RULE = "b t Q h, b s k h, b s k h, b, b, SEG -> b t Q h, b Q t"
+_BWD_RULE = ("b t Q h, b s k h, b s k h, b t Q h, b Q t, b t Q h, b, b, SEG "
+             "-> b t Q h, b s k h, b s k h")
 _QUANT_RULE = ("b t Q h, b s k h, b s k h, h, f -> b t Q h, b s k h, V, "
                "b Q x, b k y, b k y")
-_FP8_FWD_RULE = ("b t Q h, b s k h, V, b Q x, b k y, b k y, b, b" + _SEG +
-                 " -> b t Q h, b Q t")
+_FP8_FWD_RULE = "b t Q h, b s k h, V, b Q x, b k y, b k y, b, b, SEG -> b t Q h, b Q t"
 _V_LAYOUT = {False: "b s k h", True: "b k h z"}
-_SEQ_FREE = ("h", "i", "j", "u", "w", "c")
+_SEQ_FREE = ("h", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l")
 _SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
+
+
+def _pair_rule_factors(ops, first):
+  """Factors of the pair-rule operands ops[first:first + 4] (their own, so
+  the empty arrays of a call without a rule fit): segment ids i, j and span
+  granules u, w of c = 4 values; a mask's bits [B|1, N|1, T, p = 4, a] /
+  [B|1, N|1, S, 4, m] with span heads N|1 / K|1 shares batch b and heads Q /
+  k where it has them (d, e, l where it broadcasts)."""
+  a = ops[first]
+  if len(a.shape) == 2:
+    return "b i, b j, b u c, b w c"
+  B, N, K = ops[0].shape[0], ops[0].shape[2], ops[1].shape[2]
+  mb, mn, mk = a.shape[0], a.shape[1], ops[first + 3].shape[1]
+  bf = "b" if mb == B else "d"
+  nf = "Q" if mn == N else "e"
+  kf = "k" if mk == K else "l"
+  return f"{bf} {nf} i p a, {bf} {nf} j p m, {bf} {nf} u c, {bf} {kf} w c"
 
 
 def _rule(template, operand_types, replicated, v_transposed=False):
@@ -66,6 +80,9 @@ def _rule(template, operand_types, replicated, v_transposed=False):
   size-1 parts of a compound factor, so MQA (K = 1) and plain MHA (G = 1)
   spell Q as one factor."""
   n, kh = operand_types[0].shape[2], operand_types[1].shape[2]
+  if "SEG" in template:
+    first = template.split("SEG")[0].count(",")
+    template = template.replace("SEG", _pair_rule_factors(operand_types, first))
   template = template.replace("V", _V_LAYOUT[v_transposed])
   factors = list(dict.fromkeys(re.findall(r"[a-z]", template)))
   # Shardy wants them in the order the factors first appear.
@@ -159,12 +176,20 @@ class Plan:
   def lens(self):
     return self.ns(_entry(self.b))
 
-  @property
-  def segs(self):
-    """The four segment operands: batch axes only."""
-    ids = self.ns(_entry(self.b), None)
-    spans = self.ns(_entry(self.b), None, None)
-    return (ids, ids, spans, spans)
+  def pairs(self, arg_shapes, first):
+    """Shardings of the pair-rule operands arg_shapes[first:first + 4]:
+    segment ids follow the batch; a mask the batch and heads it has."""
+    a = arg_shapes[first]
+    b = _entry(self.b)
+    if len(a.shape) == 2:
+      ids, spans = self.ns(b, None), self.ns(b, None, None)
+      return (ids, ids, spans, spans)
+    B, N, K = arg_shapes[0].shape[0], arg_shapes[0].shape[2], arg_shapes[1].shape[2]
+    mb = b if a.shape[0] == B else None
+    mn = _entry(self.n) if a.shape[1] == N else None
+    mk = _entry(self.n) if arg_shapes[first + 3].shape[1] == K else None
+    bits = self.ns(mb, mn, None, None, None)
+    return (bits, bits, self.ns(mb, mn, None, None), self.ns(mb, mk, None, None))
 
   @property
   def heads_major(self):
@@ -186,19 +211,19 @@ def _plan(arg_shapes, mesh, window_left=-1, window_right=-1, ring=True):
 
 
 def _may_ring(arg_shapes, first_seg):
-  """A sharded sequence rings only without segment ids."""
-  return not segments.present(arg_shapes[first_seg:first_seg + 4])
+  """A sharded sequence rings only without a pair rule."""
+  return not pair_rule.present(arg_shapes[first_seg:first_seg + 4])
 
 
 # ------------------------------------------------------------ 16-bit calls
 def _fwd_local(plan, scale, softcap, window_left, window_right):
-  def lower(q, k, v, q_lens, kv_lens, *segs):
+  def lower(q, k, v, q_lens, kv_lens, *pairs):
     if plan.p > 1:  # no segment ids (_may_ring)
       return ring.ring_fwd(q, k, v, q_lens, kv_lens, plan.axis, plan.p,
                            "contiguous", window_right == 0,
                            dict(scale=scale, softcap=softcap),
                            (primitives.fa3_fwd, primitives.fa3_bwd))
-    return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, segs, scale=scale,
+    return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, pairs, scale=scale,
                               softcap=softcap, window_left=window_left,
                               window_right=window_right)
   return lower
@@ -208,13 +233,13 @@ def _bwd_local(plan, scale, softcap, window_left, window_right,
                deterministic):
   bwd = partial(primitives.fa3_bwd, deterministic=deterministic)
 
-  def lower(q, k, v, out, lse, dout, q_lens, kv_lens, *segs):
+  def lower(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs):
     if plan.p > 1:  # no segment ids (_may_ring)
       return ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                            plan.axis, plan.p, "contiguous", window_right == 0,
                            dict(scale=scale, softcap=softcap),
                            (primitives.fa3_fwd, bwd))
-    return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, segs, scale=scale,
+    return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, pairs, scale=scale,
                softcap=softcap, window_left=window_left,
                window_right=window_right)
   return lower
@@ -235,7 +260,7 @@ def _fwd_partition(scale, softcap, window_left, window_right, mesh,
   return (plan.mesh, _fwd_local(plan, scale, softcap, window_left,
                                 window_right),
           (plan.q, plan.lse),
-          (plan.q, plan.kv, plan.kv, plan.lens, plan.lens) + plan.segs)
+          (plan.q, plan.kv, plan.kv, plan.lens, plan.lens) + plan.pairs(arg_shapes, 5))
 
 
 def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, q_ids, kv_ids,
@@ -256,7 +281,7 @@ def _bwd_partition(scale, softcap, window_left, window_right, deterministic,
                                 window_right, deterministic),
           (plan.q, plan.kv, plan.kv),
           (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q, plan.lens,
-           plan.lens) + plan.segs)
+           plan.lens) + plan.pairs(arg_shapes, 8))
 
 
 # --------------------------------------------------------------- FP8 calls
@@ -300,7 +325,7 @@ def _fp8_fwd_partition(scale, window_left, window_right, out_dtype,
   v8 = plan.heads_major if v_transposed else plan.kv
   hm = plan.heads_major
   return (plan.mesh, local, (plan.q, plan.lse),
-          (plan.q, plan.kv, v8, hm, hm, hm, plan.lens, plan.lens) + plan.segs)
+          (plan.q, plan.kv, v8, hm, hm, hm, plan.lens, plan.lens) + plan.pairs(arg_shapes, 8))
 
 
 # ------------------------------------------------------------ registration
@@ -368,19 +393,19 @@ _fp8 = _partitioned(
 
 
 def fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-            window_right, segs=None):
-  """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``; ``segs``:
-  :func:`segments.operands` or None."""
-  segs = segments.absent(q.shape[0]) if segs is None else segs
-  return _fwd(q, k, v, q_lens, kv_lens, *segs, static=(
+            window_right, pairs=None):
+  """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``; ``pairs``:
+  :func:`pair_rule.from_segment_ids` or None."""
+  pairs = pair_rule.absent(q.shape[0]) if pairs is None else pairs
+  return _fwd(q, k, v, q_lens, kv_lens, *pairs, static=(
       float(scale), float(softcap), int(window_left), int(window_right)))
 
 
 def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, scale, softcap,
-            window_left, window_right, deterministic=False, segs=None):
+            window_left, window_right, deterministic=False, pairs=None):
   """Partitioned :func:`primitives.fa3_bwd` -> ``(dq, dk, dv)``."""
-  segs = segments.absent(q.shape[0]) if segs is None else segs
-  return _bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *segs, static=(
+  pairs = pair_rule.absent(q.shape[0]) if pairs is None else pairs
+  return _bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs, static=(
       float(scale), float(softcap), int(window_left), int(window_right),
       bool(deterministic)))
 
@@ -393,11 +418,11 @@ def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
 
 
 def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens,
-            segs=None, *, scale, window_left, window_right, out_dtype,
+            pairs=None, *, scale, window_left, window_right, out_dtype,
             v_transposed):
   """Partitioned :func:`primitives.fp8_fwd` -> ``(out, lse)``."""
-  segs = segments.absent(q8.shape[0]) if segs is None else segs
-  return _fp8(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *segs,
+  pairs = pair_rule.absent(q8.shape[0]) if pairs is None else pairs
+  return _fp8(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, *pairs,
               static=(
       float(scale), int(window_left), int(window_right), np.dtype(out_dtype),
       bool(v_transposed)))

@@ -92,6 +92,25 @@ def _segment_mask(mask, segment_ids, b):
   return mask & (q_ids[b][:, None] == kv_ids[b][None, :])
 
 
+def _zero_rows(x, vrow, value):
+  """x [G, T, ...] = value on rows without a key: vrow [T] or per head [G, T]."""
+  if vrow.ndim == 1:
+    x[:, ~vrow] = value
+  else:
+    x[~vrow] = value
+
+
+def _head_mask(user_mask, b, hs, base):
+  """[G, T, S]: the position/segment mask ``base`` [T, S] and, if given,
+  the user's bool mask [B|1, N|1, T, S] for batch b and heads hs."""
+  if user_mask is None:
+    return None
+  um = np.asarray(user_mask, bool)
+  um = um[b if um.shape[0] > 1 else 0]
+  um = um[hs] if um.shape[0] > 1 else um
+  return np.broadcast_to(base[None] & um, (hs.stop - hs.start,) + base.shape)
+
+
 def row_valid(b, t, s, q_lens, kv_lens, causal, window) -> np.ndarray:
   """bool [B, T]: inside q length and >= 1 visible key (closed form)."""
   i = np.arange(t)[None, :]
@@ -142,13 +161,15 @@ def _softmax_rows(l, mask, dtype):
 
 def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
                    causal=False, window=None, softcap=None,
-                   same=True, segment_ids=None) -> Refs:
+                   same=True, segment_ids=None, mask=None) -> Refs:
   """float64 reference and input-dtype emulation (see module docstring).
 
   ``q, k, v``: numpy (or array-like) in bf16/fp16/f32.  ``window``: None or
   ``(left, right)`` (negative = unbounded).  ``same=False`` skips the
   emulation (``same`` / ``lse_same`` are then None).  ``segment_ids``:
   None or ``(q_ids [B,T], kv_ids [B,S])``: keys of other ids are masked.
+  ``mask``: None or bool ``[B|1, N|1, T, S]`` (True = attend); with a
+  per-head mask, ``valid`` says whether a row sees a key in some head.
   """
   q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
   dt = q.dtype
@@ -167,9 +188,13 @@ def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
   valid = np.zeros((B, T), bool)
   if T == 0 or S == 0:
     return Refs(ref64, out_s, lse64, lse_s, valid)
+  user_mask = mask
   for b in range(B):
     mask = _segment_mask(visible_mask(T, S, int(ql[b]), int(kl[b]), causal,
                                       window), segment_ids, b)
+    if user_mask is not None:
+      um = np.asarray(user_mask, bool)[b if np.shape(user_mask)[0] > 1 else 0]
+      mask = mask & um.any(axis=0)
     vrow = mask.any(axis=1)
     valid[b] = vrow
     if not vrow.any():
@@ -178,6 +203,9 @@ def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
     mk = None if full else mask[None]
     for kh in range(K):
       hs = slice(kh * G, (kh + 1) * G)
+      hm = _head_mask(user_mask, b, hs, mask)
+      if hm is not None:
+        mk, vrow = hm, hm.any(axis=-1)  # per head [G, T]
       qg = np.ascontiguousarray(np.swapaxes(q[b, :, hs, :], 0, 1))  # G,T,H
       kk = k[b, :, kh, :]
       vv = v[b, :, kh, :]
@@ -194,8 +222,8 @@ def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
       with np.errstate(divide="ignore", invalid="ignore"):
         o /= den[..., None]
         lse = m + np.log(den)
-      o[:, ~vrow] = 0
-      lse[:, ~vrow] = np.inf
+      _zero_rows(o, vrow, 0)
+      _zero_rows(lse, vrow, np.inf)
       ref64[b, :, hs, :] = np.swapaxes(o, 0, 1)
       lse64[b, :, hs] = lse.T
       if not same:
@@ -215,9 +243,9 @@ def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
       p = _round(p, dt)
       o = (p.reshape(G * T, S) @ vv.astype(np.float32)).reshape(G, T, H)
       o = _round(o, dt)
-      o[:, ~vrow] = 0
+      _zero_rows(o, vrow, 0)
       lse = _round(lse, dt)
-      lse[:, ~vrow] = np.inf
+      _zero_rows(lse, vrow, np.inf)
       out_s[b, :, hs, :] = np.swapaxes(o, 0, 1)
       lse_s[b, :, hs] = lse.T
   return Refs(ref64, out_s, lse64, lse_s, valid)
@@ -225,7 +253,7 @@ def attention_refs(q, k, v, q_lens=None, kv_lens=None, *, scale=None,
 
 def attention_grad_refs(q, k, v, dout, q_lens=None, kv_lens=None, *,
                         scale=None, causal=False, window=None, softcap=None,
-                        segment_ids=None):
+                        segment_ids=None, mask=None):
   """Gradients (dq, dk, dv) of the attention output w.r.t. q, k, v.
 
   Returns ``(grads64, grads_same)``: float64 dense backward of the library
@@ -235,7 +263,7 @@ def attention_grad_refs(q, k, v, dout, q_lens=None, kv_lens=None, *,
   ``dV = P^T @ dO`` rounded to the input dtype (bf16 dots with f32
   accumulation), softmax / softcap / scale backward in f32 from the f32
   probabilities, ``dQ = dS @ K`` and ``dK = dS^T @ Q`` in f32 then rounded.
-  ``segment_ids`` as in :func:`attention_refs`.
+  ``segment_ids`` and ``mask`` as in :func:`attention_refs`.
   """
   q, k, v, dout = (np.asarray(x) for x in (q, k, v, dout))
   dt = q.dtype
@@ -248,6 +276,7 @@ def attention_grad_refs(q, k, v, dout, q_lens=None, kv_lens=None, *,
   kl = np.full((B,), S) if kv_lens is None else np.asarray(kv_lens)
   g64 = [np.zeros(x.shape, np.float64) for x in (q, k, v)]
   gsm = [np.zeros(x.shape, np.float32) for x in (q, k, v)]
+  user_mask = mask
   for b in range(B):
     mask = _segment_mask(visible_mask(T, S, int(ql[b]), int(kl[b]), causal,
                                       window), segment_ids, b)
@@ -257,9 +286,12 @@ def attention_grad_refs(q, k, v, dout, q_lens=None, kv_lens=None, *,
     mk = mask[None]
     for kh in range(K):
       hs = slice(kh * G, (kh + 1) * G)
+      hm = _head_mask(user_mask, b, hs, mask)
+      if hm is not None:
+        mk, vrow = hm, hm.any(axis=-1)  # per head [G, T]
       qg = np.ascontiguousarray(np.swapaxes(q[b, :, hs, :], 0, 1))  # G,T,H
       dog = np.ascontiguousarray(np.swapaxes(dout[b, :, hs, :], 0, 1))
-      dog[:, ~vrow] = 0  # output is where(valid, ., 0): no gradient there
+      _zero_rows(dog, vrow, 0)  # output is where(valid, ., 0): no gradient there
       kk, vv = k[b, :, kh, :], v[b, :, kh, :]
       for ft, rnd, acc in ((np.float64, False, g64),
                            (np.float32, True, gsm)):

@@ -384,14 +384,16 @@ def test_routing_with_kernels_binds_the_kernels(fake_kernels):
   ref = jax.jit(lambda q, k, v: jax_fa3.attention(
       q, k, v, is_causal=True, implementation="reference"))(q, k, v)
   _close(fa3, ref, rtol=1e-2, atol=1e-2)
-  # f32 / mask / bias still route to the reference
-  assert _cuda_kernels(f, *(x.astype(jnp.float32) for x in (q, k, v))) == set()
+  # a boolean mask runs on the kernels; f32 and bias route to the reference
   m = jnp.ones((1, 1, 9, 12), bool)
-  assert _cuda_kernels(lambda q, k, v: jax_fa3.dot_product_attention(
-      q, k, v, mask=m), q, k, v) == set()
+  assert _cuda_kernels(_grad(lambda q, k, v: jax_fa3.dot_product_attention(
+      q, k, v, mask=m)), q, k, v) == {"jax_fa3_fwd", "jax_fa3_bwd"}
+  assert _cuda_kernels(f, *(x.astype(jnp.float32) for x in (q, k, v))) == set()
   b = jnp.zeros((1, 1, 9, 12), jnp.float32)
   assert _cuda_kernels(lambda q, k, v: jax_fa3.dot_product_attention(
       q, k, v, bias=b), q, k, v) == set()
+  assert _cuda_kernels(lambda q, k, v: jax_fa3.dot_product_attention(
+      q, k, v, bias=b, mask=m), q, k, v) == set()
   # implementation="reference" never binds a kernel
   assert _cuda_kernels(lambda q, k, v: jax_fa3.attention(
       q, k, v, implementation="reference"), q, k, v) == set()

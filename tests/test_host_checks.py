@@ -6,6 +6,9 @@ the nvidia-cutlass package):
   (longest first: chunks of key blocks never go back; deterministic causal:
   key blocks descending per head), also when the last wave's key blocks are
   split into shares;
+- the mask-bit addressing of the pair rule (cc/common/mask.h, mask_bits_at):
+  every lane of every kernel family's score tile reads the bits of exactly
+  its own (row, column) elements;
 - the FP8 kernel's in-shared-memory V transpose (cc/fp8/transpose.h), run on
   the host with its own address arithmetic and the warp-collective ldmatrix /
   stmatrix emulated, puts every byte of V where the P.V GEMM reads it, for
@@ -81,3 +84,15 @@ def test_fp8_v_transpose_places_every_byte(tmp_path):
   waves = [(float(l.split("LDSM ")[1].split()[0]), float(l.split("STSM ")[1].split(")")[0]))
            for l in lines[:-1]]
   assert all(w == (1.0, 1.0) for w in waves), lines
+
+
+def test_mask_bits_reach_every_lane(tmp_path):
+  run = _build_and_run("tests/mask_bits_check.cu", tmp_path)
+  lines = run.stdout.strip().splitlines()
+  assert run.returncode == 0 and lines[-1] == "failures=0", run.stdout
+  # The forward (128- and 192-row tiles, 128 and 80 keys), FP8 and the
+  # backward's S^T tiles, whose d256 warpgroups split the columns.
+  assert sorted(l.split()[0] for l in lines[:-1]) == [
+      "bwd_d128", "bwd_d256", "bwd_d64", "fp8_d128", "fwd_d256", "fwd_d64",
+      "fwd_d64_m192"]
+  assert all(l.endswith(" ok") for l in lines[:-1])

@@ -7,7 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_fa3 import core, primitives as P, reference as R, segments
+from jax_fa3 import core, primitives as P, reference as R, pair_rule
 from fa3_testing import close, nn_attention, rand
 
 B, T, S, N, K, H = 2, 9, 13, 4, 2, 8
@@ -140,10 +140,10 @@ def test_cuda_lowering_is_ffi_custom_call():
                    r"tensor<2x0x4xi32>\) -> "
                    r"\(tensor<2x9x4x8xbf16>, tensor<2x4x9xf32>\)", c), c
   # with segment ids: ids [B,T] / [B,S] and spans per 16 positions
-  segs = segments.operands(jnp.zeros((B, T), jnp.int32),
+  pairs = pair_rule.from_segment_ids(jnp.zeros((B, T), jnp.int32),
                            jnp.zeros((B, S), jnp.int32))
   shlo = _cuda_hlo(lambda q, k, v, ql, kl, *sg: P.fa3_fwd(
-      q, k, v, ql, kl, sg, scale=0.3), q, k, v, ql, kl, *segs)
+      q, k, v, ql, kl, sg, scale=0.3), q, k, v, ql, kl, *pairs)
   assert re.search(r"tensor<2xi32>, tensor<2x9xi32>, tensor<2x13xi32>, "
                    r"tensor<2x1x4xi32>, tensor<2x1x4xi32>\) -> ", shlo), shlo
   # backward: the kernel where one was compiled for (dtype, head dim), else

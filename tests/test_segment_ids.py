@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3 import _validate as V, fp8, reference as R, segments
+from jax_fa3 import _validate as V, fp8, reference as R, pair_rule
 
 from fa3_testing import close, rand
 
@@ -288,8 +288,8 @@ def test_kernels_get_ids_and_spans(monkeypatch, precision):
 
 
 def _spans_bruteforce(a, b):
-  """NumPy spans of ``a``'s granules in ``b`` (jax_fa3.segments doc)."""
-  G, big = segments.GRANULE, 1 << 30
+  """NumPy spans of ``a``'s granules in ``b`` (jax_fa3.pair_rule doc)."""
+  G, big = pair_rule.GRANULE, 1 << 30
   out = []
   for g in range(-(-len(a) // G)):
     lo, hi, flo, fhi = big, -big, -big, big
@@ -316,7 +316,7 @@ def test_spans(kind):
     b = np.sort(rng.integers(2, 9, 83)).astype(np.int32)
   else:
     a = b = np.zeros(1, np.int32)
-  q_ids, kv_ids, q_spans, kv_spans = segments.operands(
+  q_ids, kv_ids, q_spans, kv_spans = pair_rule.from_segment_ids(
       jnp.asarray(a)[None], jnp.asarray(b)[None])
   np.testing.assert_array_equal(q_spans[0], _spans_bruteforce(a, b))
   np.testing.assert_array_equal(kv_spans[0], _spans_bruteforce(b, a))

@@ -69,7 +69,7 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   // before it and live into both sides gets a stack slot (the producer has
   // 24 registers), which the consumer loop then reloads every block.
   auto make_mask = [&](const BwdTile& tile) {
-    auto mask = KeyBlockMask<kBlockM, kBlockN>::of(p, tile.n_block, tile.batch, /*narrow=*/!Deterministic);
+    auto mask = KeyBlockMask<kBlockM, kBlockN>::of(p, tile.n_block, tile.batch, tile.kv_head, /*narrow=*/!Deterministic);
     if (tile.pieces > 1) { mask.take_share(tile.piece, tile.pieces); }
     return mask;
   };

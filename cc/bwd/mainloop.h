@@ -190,7 +190,7 @@ struct BwdMainloop {
         // P^T while the dP^T GEMM still runs (WGMMA batches retire in order).
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
-        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, SegmentView::keys(p, batch)); }
+        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, PairRuleView::keys(p, batch, head / (p.n / p.kh), head)); }
         CUTLASS_PRAGMA_UNROLL
         for (int col = 0; col < size<1>(s); ++col) {
           const float lse2 = lse_s[get<1>(cs(0, col))];  // +inf on rows that see nothing: P = 0
@@ -214,7 +214,7 @@ struct BwdMainloop {
         warpgroup_fence_operand(tSrdP);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
-        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, SegmentView::keys(p, batch)); }
+        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, PairRuleView::keys(p, batch, head / (p.n / p.kh), head)); }
         CUTLASS_PRAGMA_UNROLL
         for (int col = 0; col < size<1>(s); ++col) {
           const int row = get<1>(cs(0, col));

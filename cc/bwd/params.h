@@ -44,7 +44,7 @@ struct BwdParams {
   const float* lse = nullptr;  // [b, n, t] natural log, +inf for rows that see no key
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
-  SegmentParams seg;
+  PairRuleParams pair;
   void* dq = nullptr;          // [b, t, n, d]
   void* dk = nullptr;          // [b, s, kh, d]
   void* dv = nullptr;          // [b, s, kh, d]

@@ -16,9 +16,9 @@
 //
 // Segment ids (packed sequences) add: key j is visible from query i only if
 // their ids are equal. A view narrows its block range to the spans the
-// pre-pass computed (SegmentView), skips the element mask on blocks that
+// pre-pass computed (PairRuleView), skips the element mask on blocks that
 // every row sees whole, and compares ids on the others. apply() takes the
-// SegmentView from its caller, rebuilt from the kernel parameters there, so
+// PairRuleView from its caller, rebuilt from the kernel parameters there, so
 // the block loops keep no id pointers live in registers.
 #pragma once
 
@@ -71,33 +71,69 @@ CUTE_HOST_DEVICE Interval blocks_of(Interval r) {
   return r.empty() ? Interval{0, 0} : Interval{r.lo / kBlock, (r.hi + kBlock - 1) / kBlock};
 }
 
-// The segment ids of one batch row seen from one side: rows are the block's
-// own positions (queries in the forward, keys in the backward), cols the
-// other side's.
-struct SegmentView {
-  const int32_t* row_ids = nullptr;  // [rows]; null: no segment ids
-  const int32_t* col_ids = nullptr;  // [cols]
-  const int4* spans = nullptr;       // [ceil(rows / kSegmentGranule)] (params.h)
-  int rows = 0, cols = 0;
+// Where a lane's mask bits for a block lie (params.h, mask bits): the word
+// holding its first 8-column group and the shift that puts fragment column 0
+// at bit 0 of the two-word window. first_col: the tile column of the lane's
+// first element (base + 2 t); col0: the block's first column (a multiple of 16).
+struct MaskBitsAt {
+  int64_t word;
+  int shift;
+};
+CUTE_HOST_DEVICE MaskBitsAt mask_bits_at(int row, int first_col, int col0, int chunks) {
+  const int g0 = (col0 + first_col) / 8;
+  return {(int64_t(row) * 4 + (first_col / 2) % 4) * chunks + g0 / 16, 2 * (g0 % 16)};
+}
 
-  // Enabled = false: a kernel built without segment ids (the view is empty at
-  // compile time, so their code folds away).
+// The pair rule (segment ids or a mask, params.h) of one batch row and head
+// seen from one side: rows are the block's own positions (queries in the
+// forward, keys in the backward), cols the other side's.
+struct PairRuleView {
+  const int32_t* row_ids = nullptr;  // [rows] segment ids, or null
+  const int32_t* col_ids = nullptr;  // [cols]
+  const uint32_t* row_bits = nullptr;  // or mask bits [rows, 4, chunks] (params.h)
+  const int4* spans = nullptr;         // [ceil(rows / kSpanGranule)]; null: no rule
+  int rows = 0, cols = 0;
+  int chunks = 0;
+
+  // Enabled = false: a kernel built without the pair rule (the view is empty
+  // at compile time, so its code folds away).
+  // The views are built where they are used (a masked block); the empty asm
+  // keeps their loop-invariant addresses from being hoisted out of the block
+  // loops, where they held registers across the whole loop.
   template <bool Enabled = true, class Params>
-  CUTE_DEVICE static SegmentView queries(const Params& p, int batch) {
-    const SegmentParams& s = p.seg;
-    if (!Enabled || s.q_ids == nullptr) { return {}; }
-    return {s.q_ids + int64_t(batch) * p.t, s.kv_ids + int64_t(batch) * p.s,
-            reinterpret_cast<const int4*>(s.q_spans) + int64_t(batch) * granules(p.t), p.t, p.s};
+  CUTE_DEVICE static PairRuleView queries(const Params& p, int batch, int head) {
+    const PairRuleParams& s = p.pair;
+    if (!Enabled || s.q_spans == nullptr) { return {}; }
+    asm volatile("" : "+r"(batch), "+r"(head));
+    const int64_t slice = slice_of(s.mask_b, s.mask_n, batch, head);
+    const int4* spans = reinterpret_cast<const int4*>(s.q_spans) + slice * granules(p.t);
+    if (s.mask != nullptr) {
+      const int chunks = int(mask_chunks(p.s));
+      return {nullptr, nullptr, s.mask + slice * p.t * 4 * chunks, spans, p.t, p.s, chunks};
+    }
+    return {s.q_ids + int64_t(batch) * p.t, s.kv_ids + int64_t(batch) * p.s, nullptr, spans, p.t, p.s};
   }
+  // The key side: spans of kv head kv_head (block ranges), mask rows of
+  // query head `head` (element tests).
   template <class Params>
-  CUTE_DEVICE static SegmentView keys(const Params& p, int batch) {
-    const SegmentParams& s = p.seg;
-    if (s.q_ids == nullptr) { return {}; }
-    return {s.kv_ids + int64_t(batch) * p.s, s.q_ids + int64_t(batch) * p.t,
-            reinterpret_cast<const int4*>(s.kv_spans) + int64_t(batch) * granules(p.s), p.s, p.t};
+  CUTE_DEVICE static PairRuleView keys(const Params& p, int batch, int kv_head, int head) {
+    const PairRuleParams& s = p.pair;
+    if (s.q_spans == nullptr) { return {}; }
+    asm volatile("" : "+r"(batch), "+r"(kv_head), "+r"(head));
+    const int4* spans = reinterpret_cast<const int4*>(s.kv_spans) +
+                        slice_of(s.mask_b, s.mask_kh, batch, kv_head) * granules(p.s);
+    if (s.mask != nullptr) {
+      const int chunks = int(mask_chunks(p.t));
+      return {nullptr, nullptr, s.mask_t + slice_of(s.mask_b, s.mask_n, batch, head) * p.s * 4 * chunks, spans,
+              p.s, p.t, chunks};
+    }
+    return {s.kv_ids + int64_t(batch) * p.s, s.q_ids + int64_t(batch) * p.t, nullptr, spans, p.s, p.t};
   }
-  CUTE_HOST_DEVICE static int granules(int len) { return (len + kSegmentGranule - 1) / kSegmentGranule; }
-  CUTE_HOST_DEVICE bool active() const { return row_ids != nullptr; }
+  CUTE_HOST_DEVICE static int64_t slice_of(int nb, int nh, int batch, int head) {
+    return int64_t(nb > 1 ? batch : 0) * nh + (nh > 1 ? head : 0);
+  }
+  CUTE_HOST_DEVICE static int granules(int len) { return (len + kSpanGranule - 1) / kSpanGranule; }
+  CUTE_HOST_DEVICE bool active() const { return spans != nullptr; }
 
   // Over rows [begin, end): the cols some row sees (`any`) and the cols
   // every row sees (`all`). Without segment ids: everything, both.
@@ -107,20 +143,39 @@ struct SegmentView {
     if (!active()) { return; }
     any = {INT_MAX, INT_MIN};
     const int g_end = granules(min(end, rows));
-    for (int g = begin / kSegmentGranule; g < g_end; ++g) {
+    for (int g = begin / kSpanGranule; g < g_end; ++g) {
       const int4 sp = __ldg(spans + g);
       any.lo = min(any.lo, sp.x); any.hi = max(any.hi, sp.y);
       all.lo = max(all.lo, sp.z); all.hi = min(all.hi, sp.w);
     }
   }
 
-  // Masks the elements of a tile whose ids differ; row0 / col0: the tile's
-  // origin. Rows or cols past the arrays' ends read the last id (those are
-  // masked or dropped by the interval rule).
+  // Masks the elements of a tile the rule excludes; row0 / col0: the tile's
+  // origin. Rows or cols past the arrays' ends read the last id or mask entry
+  // (those are masked or dropped by the interval rule).
   template <class TS, class TC>
   CUTE_DEVICE void apply(TS& scores, TC const& coords, int row0, int col0) const {
     Tensor s = as_rowcol(scores);
     Tensor c = as_rowcol(coords);
+    if (row_bits != nullptr) {
+      // Two words per row hold this lane's columns of the block (params.h).
+      // The row-col view of a WGMMA accumulator orders a lane's columns
+      // base + 8 j + 2 t + e as 2 j + e (base: where its warpgroup's columns
+      // start, 0 unless the warpgroups split the columns): fragment column
+      // `col` is bit `col` after the shift, a constant (a per-element
+      // computed shift would be hoisted out of the block loop as dozens of
+      // live registers).
+      static_assert(decltype(size<1>(s))::value <= 32, "a block's lane columns fit one 32-bit window");
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        const MaskBitsAt at = mask_bits_at(min(row0 + get<0>(c(r, 0)), rows - 1), get<1>(c(r, 0)), col0, chunks);
+        const uint32_t* w = row_bits + at.word;
+        const uint32_t bits = uint32_t(((uint64_t(__ldg(w + 1)) << 32) | __ldg(w)) >> at.shift);
+        CUTLASS_PRAGMA_UNROLL
+        for (int col = 0; col < size<1>(s); ++col) { s(r, col) = (bits >> col) & 1u ? s(r, col) : -INFINITY; }
+      }
+      return;
+    }
     int rid[size<0>(s)];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < size<0>(s); ++r) { rid[r] = __ldg(row_ids + min(row0 + get<0>(c(r, 0)), rows - 1)); }
@@ -163,26 +218,26 @@ CUTE_DEVICE void mask_rows(TS& scores, TC const& coords, RowInterval&& interval)
 template <int kBlockM, int kBlockN>
 struct QueryBlockMask {
   MaskRule rule;
-  Interval seg_all;  // keys every row of the block sees by segment id
+  Interval pair_all;  // keys every row of the block sees by segment id
   int m_start;  // first query row of the block
   int n_block_min, n_block_max;
 
-  CUTE_DEVICE QueryBlockMask(int m_block, int q_len, int kv_len, int left, int right, SegmentView segments = {})
+  CUTE_DEVICE QueryBlockMask(int m_block, int q_len, int kv_len, int left, int right, PairRuleView pairs = {})
       : rule{q_len, kv_len, left, right} {
     m_start = m_block * kBlockM;
     const int m_end = min(m_start + kBlockM, q_len);
-    Interval seg_any;
-    segments.block(m_start, m_start + kBlockM, seg_any, seg_all);
-    const Interval keys = intersect(rule.key_range(m_start, m_end), seg_any);
+    Interval pair_any;
+    pairs.block(m_start, m_start + kBlockM, pair_any, pair_all);
+    const Interval keys = intersect(rule.key_range(m_start, m_end), pair_any);
     const Interval blocks = m_end <= m_start ? Interval{0, 0} : blocks_of<kBlockN>(keys);
     n_block_min = blocks.lo;
     n_block_max = blocks.hi;
   }
   // The view of query block m_block of batch row `batch` (FwdParams-like p).
-  template <bool Segments = true, class Params>
-  CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch) {
+  template <bool PairRule = true, class Params>
+  CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch, int head) {
     return QueryBlockMask(m_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
-                          p.window_right, SegmentView::queries<Segments>(p, batch));
+                          p.window_right, PairRuleView::queries<PairRule>(p, batch, head));
   }
 
   CUTE_DEVICE bool empty() const { return n_block_max <= n_block_min; }
@@ -191,15 +246,15 @@ struct QueryBlockMask {
   // Rows past q_len are not masked: the epilogue zeroes them.
   CUTE_DEVICE bool needs_mask(int n_block) const {
     int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
-    return col_last >= rule.kv_len || col_first < seg_all.lo || col_last >= seg_all.hi ||
+    return col_last >= rule.kv_len || col_first < pair_all.lo || col_last >= pair_all.hi ||
            (rule.right >= 0 && col_last > m_start + rule.right) ||
            (rule.left >= 0 && col_first < m_start + kBlockM - 1 - rule.left);
   }
 
   // S tile (rows = queries, cols = keys) of key block n_block; seg: the
-  // block's SegmentView::queries.
+  // block's PairRuleView::queries.
   template <class TS, class TC>
-  CUTE_DEVICE void apply(TS& scores, TC const& coords, int n_block, const SegmentView& seg) const {
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int n_block, const PairRuleView& pair) const {
     const int col0 = n_block * kBlockN;
     auto interval = [&](int row) { return rule.keys_of_row(m_start + row, col0); };
     if (rule.left >= 0) {
@@ -207,8 +262,8 @@ struct QueryBlockMask {
     } else {
       mask_rows<false>(scores, coords, interval);
     }
-    if (seg.active() && (col0 < seg_all.lo || col0 + kBlockN > seg_all.hi)) {
-      seg.apply(scores, coords, m_start, col0);
+    if (pair.active() && (col0 < pair_all.lo || col0 + kBlockN > pair_all.hi)) {
+      pair.apply(scores, coords, m_start, col0);
     }
   }
 };
@@ -218,31 +273,31 @@ struct QueryBlockMask {
 template <int kBlockM, int kBlockN>
 struct KeyBlockMask {
   MaskRule rule;
-  Interval seg_all;  // queries that see every key of the block by segment id
+  Interval pair_all;  // queries that see every key of the block by segment id
   int n_start;  // first key of the block
   int m_block_min, m_block_max;
 
   // narrow: skip query blocks whose segment ids cannot match. Deterministic
   // dQ does not: its turns (dq_turn) count every key block the position rule
   // lets visit a query block, so each of them must take its turn.
-  CUTE_DEVICE KeyBlockMask(int n_block, int q_len, int kv_len, int left, int right, SegmentView segments = {},
+  CUTE_DEVICE KeyBlockMask(int n_block, int q_len, int kv_len, int left, int right, PairRuleView pairs = {},
                            bool narrow = true)
       : rule{q_len, kv_len, left, right} {
     n_start = n_block * kBlockN;
     const int n_end = min(n_start + kBlockN, kv_len);
-    Interval seg_any;
-    segments.block(n_start, n_start + kBlockN, seg_any, seg_all);
+    Interval pair_any;
+    pairs.block(n_start, n_start + kBlockN, pair_any, pair_all);
     Interval rows = rule.row_range(n_start, n_end);
-    if (narrow) { rows = intersect(rows, seg_any); }
+    if (narrow) { rows = intersect(rows, pair_any); }
     const Interval blocks = n_end <= n_start ? Interval{0, 0} : blocks_of<kBlockM>(rows);
     m_block_min = blocks.lo;
     m_block_max = blocks.hi;
   }
   // The view of key block n_block of batch row `batch` (BwdParams-like p).
   template <class Params>
-  CUTE_DEVICE static KeyBlockMask of(const Params& p, int n_block, int batch, bool narrow) {
+  CUTE_DEVICE static KeyBlockMask of(const Params& p, int n_block, int batch, int kv_head, bool narrow) {
     return KeyBlockMask(n_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
-                        p.window_right, SegmentView::keys(p, batch), narrow);
+                        p.window_right, PairRuleView::keys(p, batch, kv_head, kv_head), narrow);
   }
 
   // A split key block (bwd/tile_scheduler.h): share `piece` of `pieces`
@@ -278,16 +333,16 @@ struct KeyBlockMask {
   CUTE_DEVICE bool needs_mask(int m_block) const {
     const int m_first = m_block * kBlockM, m_last = m_first + kBlockM - 1;
     const int n_last = n_start + kBlockN - 1;
-    return n_last >= rule.kv_len || m_last >= rule.q_len || m_first < seg_all.lo || m_last >= seg_all.hi ||
+    return n_last >= rule.kv_len || m_last >= rule.q_len || m_first < pair_all.lo || m_last >= pair_all.hi ||
            (rule.right >= 0 && n_last > m_first + rule.right) ||
            (rule.left >= 0 && n_start < m_last - rule.left);
   }
 
   // S^T tile (rows = keys, cols = queries) of query block m_block: the
   // transposed rule's row intervals; a key past kv_len sees no query.
-  // seg: the block's SegmentView::keys.
+  // seg: the block's PairRuleView::keys.
   template <class TS, class TC>
-  CUTE_DEVICE void apply(TS& scores, TC const& coords, int m_block, const SegmentView& seg) const {
+  CUTE_DEVICE void apply(TS& scores, TC const& coords, int m_block, const PairRuleView& pair) const {
     const int row0 = m_block * kBlockM;
     const MaskRule t = rule.transposed();
     mask_rows<true>(scores, coords, [&](int key) {
@@ -297,8 +352,8 @@ struct KeyBlockMask {
       iv.hi = j < rule.kv_len ? iv.hi : -kBlockM;
       return iv;
     });
-    if (seg.active() && (row0 < seg_all.lo || row0 + kBlockM > seg_all.hi)) {
-      seg.apply(scores, coords, n_start, row0);
+    if (pair.active() && (row0 < pair_all.lo || row0 + kBlockM > pair_all.hi)) {
+      pair.apply(scores, coords, n_start, row0);
     }
   }
 };

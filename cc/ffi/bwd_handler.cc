@@ -65,7 +65,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     return invalid(kWho, "inconsistent q/k/v/out/lse/dout shapes");
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
-  if (!set_segments(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "segment id / span shapes"); }
+  if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
   if (dq_accum->element_count() != rows * p.d || delta->element_count() != rows ||
       lse_log2->element_count() != rows || semaphore->element_count() != rows / kBwdBlockM ||
       int64_t(dkv_split->element_count()) != bwd_split_scratch_floats(p.b, p.s, p.kh, p.d)) {

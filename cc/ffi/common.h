@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 #include "xla/ffi/api/ffi.h"
@@ -47,23 +48,48 @@ inline bool lens_match(const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ff
 
 using Ids = ffi::Buffer<ffi::S32>;
 
-// Segment ids: all four buffers empty (none), or q_ids [B, T], kv_ids [B, S]
-// and their spans [B, ceil(T / 16), 4], [B, ceil(S / 16), 4] (params.h).
-// Call after set_dims. False when the shapes do not fit.
+// The pair-rule operands (params.h, PairRuleParams), all four empty (none), or
+//  - segment ids: q_ids [B, T], kv_ids [B, S], spans [B, Gt, 4], [B, Gs, 4];
+//  - a mask: its bits (params.h) mask [MB, MN, T, 4, mask_chunks(S)] and
+//    mask_t [MB, MN, S, 4, mask_chunks(T)] (int32 words), spans
+//    [MB, MN, Gt, 4] and [MB, MK, Gs, 4], MB in {1, B}, MN in {1, N},
+//    MK = 1 or K (MN = N);
+// with G = ceil(len / 16). Call after set_dims. False when the shapes do not fit.
 template <class Params>
-bool set_segments(Params& p, const Ids& q_ids, const Ids& kv_ids, const Ids& q_spans, const Ids& kv_spans) {
-  if (q_ids.element_count() == 0 && kv_ids.element_count() == 0 && q_spans.element_count() == 0 &&
+bool set_pair_rule(Params& p, const Ids& a, const Ids& b, const Ids& q_spans, const Ids& kv_spans) {
+  p.pair = PairRuleParams{};
+  if (a.element_count() == 0 && b.element_count() == 0 && q_spans.element_count() == 0 &&
       kv_spans.element_count() == 0) {
-    p.seg = SegmentParams{};
     return true;
   }
-  auto granules = [](int len) { return size_t(len + kSegmentGranule - 1) / kSegmentGranule; };
-  if (q_ids.element_count() != size_t(p.b) * p.t || kv_ids.element_count() != size_t(p.b) * p.s ||
-      q_spans.element_count() != size_t(p.b) * granules(p.t) * 4 ||
-      kv_spans.element_count() != size_t(p.b) * granules(p.s) * 4) {
-    return false;
+  auto granules = [](int len) { return int64_t(len + kSpanGranule - 1) / kSpanGranule; };
+  auto dims = [](const Ids& x) { auto d = x.dimensions(); return std::vector<int64_t>(d.begin(), d.end()); };
+  using D = std::vector<int64_t>;
+  if (dims(a).size() == 2) {
+    if (dims(a) != D{p.b, p.t} || dims(b) != D{p.b, p.s} || dims(q_spans) != D{p.b, granules(p.t), 4} ||
+        dims(kv_spans) != D{p.b, granules(p.s), 4}) {
+      return false;
+    }
+    p.pair.q_ids = a.typed_data();
+    p.pair.kv_ids = b.typed_data();
+    p.pair.mask_b = p.b;
+  } else {
+    const D da = dims(a), dk = dims(kv_spans);
+    if (da.size() != 5 || dk.size() != 4) return false;
+    const int64_t mb = da[0], mn = da[1], mk = dk[1];
+    const bool ok_b = mb == 1 || mb == p.b, ok_n = mn == 1 || mn == p.n;
+    const bool ok_k = mk == 1 || (mn == p.n && mk == p.kh);
+    if (!ok_b || !ok_n || !ok_k || da != D{mb, mn, p.t, 4, mask_chunks(p.s)} ||
+        dims(b) != D{mb, mn, p.s, 4, mask_chunks(p.t)} || dims(q_spans) != D{mb, mn, granules(p.t), 4} ||
+        dk != D{mb, mk, granules(p.s), 4}) {
+      return false;
+    }
+    p.pair.mask = reinterpret_cast<const uint32_t*>(a.typed_data());
+    p.pair.mask_t = reinterpret_cast<const uint32_t*>(b.typed_data());
+    p.pair.mask_b = int(mb); p.pair.mask_n = int(mn); p.pair.mask_kh = int(mk);
   }
-  p.seg = SegmentParams{q_ids.typed_data(), kv_ids.typed_data(), q_spans.typed_data(), kv_spans.typed_data()};
+  p.pair.q_spans = q_spans.typed_data();
+  p.pair.kv_spans = kv_spans.typed_data();
   return true;
 }
 

@@ -112,7 +112,7 @@ ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
       : vd[0] == p.b && vd[1] == p.s && vd[2] == p.kh && vd[3] == p.d;
   if (!k_matches_q(p, k) || !v_ok) { return invalid(kWho, "inconsistent q/k/v shapes"); }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
-  if (!set_segments(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "segment id / span shapes"); }
+  if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
   const int64_t block_n = kFp8BlockN;
   if (q_scale.element_count() != size_t(int64_t(p.b) * p.n * ceil_div(p.t, kFp8BlockM)) ||
       k_scale.element_count() != size_t(int64_t(p.b) * p.kh * ceil_div(p.s, block_n)) ||

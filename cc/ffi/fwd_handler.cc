@@ -28,7 +28,7 @@ const FwdKernelEntry* find_kernel(DType dtype, int d, const char* variant) {
 // below that its padding of short causal problems costs more than it gains
 // (benchmarks/RESULTS.md). It takes no segment ids (fwd/traits.h).
 const char* pick_variant(const FwdParams& p, DType dtype) {
-  if (p.d == 64 && p.seg.q_ids == nullptr && find_kernel(dtype, 64, "m192") != nullptr) {
+  if (p.d == 64 && p.pair.q_spans == nullptr && find_kernel(dtype, 64, "m192") != nullptr) {
     const bool unmasked = p.window_left < 0 && p.window_right < 0;
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
     if ((unmasked && p.t >= 1024) || (causal_like && p.t >= 4096)) { return "m192"; }
@@ -54,7 +54,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     return invalid(kWho, "inconsistent q/k/v shapes");
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
-  if (!set_segments(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "segment id / span shapes"); }
+  if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
   if (p.b == 0 || p.t == 0 || p.n == 0) { return ffi::Error::Success(); }  // nothing to write
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
   p.o = o->untyped_data(); p.lse = lse->typed_data();

@@ -107,7 +107,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       auto state_q = cutlass::make_producer_start_state<PipelineQ>();
       auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-        const auto mask = QueryBlockMask<kBlockM, kBlockN>::of(p, tile.m_block, tile.batch);
+        const auto mask = QueryBlockMask<kBlockM, kBlockN>::of(p, tile.m_block, tile.batch, tile.head);
         producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
       }
       pipe_k.producer_tail(state_kv);
@@ -125,7 +125,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       // then keeps no scheduler or mask state in the producer's registers.
       int num_v_tiles = 0;
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-        const auto mask = QueryBlockMask<kBlockM, kBlockN>::of(p, tile.m_block, tile.batch);
+        const auto mask = QueryBlockMask<kBlockM, kBlockN>::of(p, tile.m_block, tile.batch, tile.head);
         num_v_tiles += max(mask.n_block_max - mask.n_block_min, 0);
       }
       int share = t_warp;  // rotates over the tiles (transpose.h)
@@ -165,7 +165,7 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       const float q_scale = params.q_scale[(int64_t(tile.batch) * p.n + tile.head) * num_qs +
                                            min((tile.m_block * kBlockM + wg * kRowsPerWG) / kFp8BlockM, num_qs - 1)];
       const int64_t kv_row = (int64_t(tile.batch) * p.kh + kv_head) * num_n;
-      const auto mask = QueryBlockMask<kBlockM, kBlockN>::of(p, tile.m_block, tile.batch);
+      const auto mask = QueryBlockMask<kBlockM, kBlockN>::of(p, tile.m_block, tile.batch, tile.head);
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax;
@@ -180,11 +180,11 @@ fp8_fwd_kernel(CUTE_GRID_CONSTANT const Fp8KernelParams<Traits> params) {
       int ref_lo = mask.n_block_min, ref_hi = mask.n_block_max;
       if constexpr (kBlockM > kFp8BlockM) {
         const auto wg_mask =
-            QueryBlockMask<kRowsPerWG, kBlockN>::of(p, tile.m_block * (kBlockM / kRowsPerWG) + wg, tile.batch);
+            QueryBlockMask<kRowsPerWG, kBlockN>::of(p, tile.m_block * (kBlockM / kRowsPerWG) + wg, tile.batch, tile.head);
         if (!wg_mask.empty()) { ref_lo = wg_mask.n_block_min; ref_hi = wg_mask.n_block_max; }  // else rows past q_len
       }
-      auto segs = [&p, batch = tile.batch] { return SegmentView::queries(p, batch); };
-      const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, segs, ref_lo, ref_hi,
+      auto pairs = [&p, batch = tile.batch, head = tile.head] { return PairRuleView::queries(p, batch, head); };
+      const float v_scale = mainloop.run(smem, mma_tid, pingpong, mask, pairs, ref_lo, ref_hi,
                                          scale_log2 * q_scale,
                                          params.k_scale + kv_row, params.v_scale + kv_row,
                                          pipe_k, state_kv, pipe_vsrc, state_vt, softmax, acc_o);

@@ -78,10 +78,10 @@ struct Fp8ConsumerMainloop {
   // right after the masking code, so softmax never overlapped P.V (seen in
   // this kernel's SASS and in the 16-bit forward's). O's arithmetic is
   // unchanged: O * correction_{j-1} + P_{j-1} V_{j-1}, in this order.
-  // segs() gives the tile's SegmentView (common/mask.h).
-  template <class Segs, class PipelineKV, class StateKV, class PipelineVt, class StateVt, class TO>
+  // pairs() gives the tile's PairRuleView (common/mask.h).
+  template <class Pairs, class PipelineKV, class StateKV, class PipelineVt, class StateVt, class TO>
   CUTE_DEVICE float run(typename Traits::SharedStorage& smem, int mma_tid, const PingPong& pingpong,
-                        const QueryBlockMask<kBlockM, kBlockN>& mask, Segs&& segs, int ref_lo, int ref_hi, float q_to_log2,
+                        const QueryBlockMask<kBlockM, kBlockN>& mask, Pairs&& pairs, int ref_lo, int ref_hi, float q_to_log2,
                         const float* k_scale, const float* v_scale,
                         PipelineKV& pipe_k, StateKV& state_kv, PipelineVt& pipe_vt, StateVt& state_vt,
                         Softmax& softmax, TO& acc_o) {
@@ -139,7 +139,7 @@ struct Fp8ConsumerMainloop {
       warpgroup_wait<0>();
       pipe_k.consumer_release(state_kv);
       ++state_kv;
-      if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block, segs()); }
+      if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block, pairs()); }
       // O is still zero: its first rescale is moot.
       softmax.max_and_exp(tSrS, q_to_log2 * ks, v_log2_of(n_block), correction);
       pack_p_fp8(tSrS, tOrP0);
@@ -174,7 +174,7 @@ struct Fp8ConsumerMainloop {
       }
       pipe_k.consumer_release(state_kv);
       ++state_kv;
-      if (mask.needs_mask(n)) { mask.apply(tSrS, cS, n, segs()); }
+      if (mask.needs_mask(n)) { mask.apply(tSrS, cS, n, pairs()); }
       rescale_o = softmax.max_and_exp(tSrS, q_to_log2 * ks_next, v_log2, correction);
       pack_p_fp8(tSrS, p_next);
     };

@@ -67,7 +67,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       auto state_q = cutlass::make_producer_start_state<PipelineQ>();
       auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-        const auto mask = QueryBlockMask<kBlockM, kBlockN>::of<Traits::kSegments>(p, tile.m_block, tile.batch);
+        const auto mask = QueryBlockMask<kBlockM, kBlockN>::of<Traits::kPairRule>(p, tile.m_block, tile.batch, tile.head);
         producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
       }
       // Do not retire while loads this thread issued could still be landing.
@@ -89,7 +89,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
       const int q_len = min(p.q_lens[tile.batch], p.t);
-      const auto mask = QueryBlockMask<kBlockM, kBlockN>::of<Traits::kSegments>(p, tile.m_block, tile.batch);
+      const auto mask = QueryBlockMask<kBlockM, kBlockN>::of<Traits::kPairRule>(p, tile.m_block, tile.batch, tile.head);
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax(scale_log2);
@@ -106,8 +106,10 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
           q_released = true;
         }
       };
-      auto segs = [&p, batch = tile.batch] { return SegmentView::queries<Traits::kSegments>(p, batch); };
-      mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, segs, softcap, raw_to_x, pipe_k, pipe_v, state_kv,
+      auto pairs = [&p, batch = tile.batch, head = tile.head] {
+        return PairRuleView::queries<Traits::kPairRule>(p, batch, head);
+      };
+      mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, pairs, softcap, raw_to_x, pipe_k, pipe_v, state_kv,
                    softmax, acc_o, release_q);
       if (Traits::kSeparateO && !q_released) { release_q(); }  // an empty tile
       float lse[Mainloop::kRows];
@@ -133,7 +135,7 @@ template <class Element, int HeadDim, class Tile = FwdTileConfig<HeadDim>>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraits<Element, HeadDim, Tile>;
   using Scheduler = PersistentTileScheduler;
-  if (!Traits::kSegments && p.seg.q_ids != nullptr) { return cudaErrorInvalidValue; }  // never ignore them
+  if (!Traits::kPairRule && p.pair.q_spans != nullptr) { return cudaErrorInvalidValue; }  // never ignore the rule
   auto layout = btnh_layout<HeadDim>;
   FwdKernelParams<Traits> kp{
       p,

@@ -7,19 +7,37 @@
 
 namespace jax_fa3 {
 
-// Packed sequences: query i sees key j only where q_ids[i] == kv_ids[j].
-// The spans summarize one side per granule of kSegmentGranule positions as
+// A rule per (query, key) pair on top of the position rule, one of
+//  - segment ids (packed sequences): query i sees key j only where
+//    q_ids[i] == kv_ids[j];
+//  - a boolean mask: query i of head h sees key j only where
+//    mask[mb, mh, i, j] (mb, mh: 0 where the mask broadcasts), given as bits
+//    in the order the accumulators hold them (mask_bit_index), and
+//    transposed (the backward's S^T tiles have key rows).
+// The spans summarize one side per granule of kSpanGranule positions as
 // int32 {lo, hi, full_lo, full_hi}: the other side's positions that some row
 // of the granule sees lie in [lo, hi), and every row sees all of
-// [full_lo, full_hi) (empty where a row's id is not one contiguous run).
-// jax_fa3/segments.py writes them. All null: no segment ids.
-constexpr int kSegmentGranule = 16;
+// [full_lo, full_hi) (empty where a row's visible keys are not one run).
+// Query spans are per (mask_b, mask_n) slice, key spans per (mask_b,
+// mask_kh) slice (a kv head's spans cover its query-head group).
+// jax_fa3/pair_rule.py writes them. All null: no such rule.
+constexpr int kSpanGranule = 16;
+// Mask bits, [mask_b, mask_n, rows, 4, chunks] uint32 with chunks =
+// ceil(cols / 128) + 1: word [row, t, c] holds the row's columns
+// 128 c + 8 j + 2 t + e (j < 16, e < 2) at bit 2 j + e, i.e. what accumulator
+// lane t % 4 of a WGMMA C fragment holds (columns 2t, 2t+1 of every 8), so a
+// thread reads two words per row and block. The extra chunk keeps the second
+// word of the last block inside the row.
+inline constexpr int64_t mask_chunks(int64_t cols) { return (cols + 127) / 128 + 1; }
 
-struct SegmentParams {
+struct PairRuleParams {
   const int32_t* q_ids = nullptr;     // [b, t]
   const int32_t* kv_ids = nullptr;    // [b, s]
-  const int32_t* q_spans = nullptr;   // [b, ceil(t / kSegmentGranule), 4]: keys of query granules
-  const int32_t* kv_spans = nullptr;  // [b, ceil(s / kSegmentGranule), 4]: queries of key granules
+  const uint32_t* mask = nullptr;     // or the mask bits: [mask_b, mask_n, t, 4, mask_chunks(s)]
+  const uint32_t* mask_t = nullptr;   //   and transposed: [mask_b, mask_n, s, 4, mask_chunks(t)]
+  const int32_t* q_spans = nullptr;   // [slices, ceil(t / kSpanGranule), 4]: keys of query granules
+  const int32_t* kv_spans = nullptr;  // [slices, ceil(s / kSpanGranule), 4]: queries of key granules
+  int mask_b = 1, mask_n = 1, mask_kh = 1;  // mask extents (1: broadcast); ids: b, 1, 1
 };
 
 struct FwdParams {
@@ -31,7 +49,7 @@ struct FwdParams {
   float* lse = nullptr;      // [b, n, t], natural log; +inf for rows that see no key
   const int32_t* q_lens = nullptr;   // [b] valid query rows per batch (clamped to t)
   const int32_t* kv_lens = nullptr;  // [b] valid key rows per batch (clamped to s)
-  SegmentParams seg;
+  PairRuleParams pair;
 
   int b = 0, t = 0, s = 0, n = 0, kh = 0, d = 0;
   float scale = 1.f;

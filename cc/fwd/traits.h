@@ -22,11 +22,11 @@ using namespace cute;
 // at d256 (a 128-register O accumulator) that spills ~200 bytes and is still
 // the faster schedule.
 template <int HeadDim> struct FwdTileConfig;
-// kSegments: the tile takes segment ids (every default tile does).
-template <int BlockM, int BlockN, int Stages, bool Segments = true>
+// kPairRule: the tile takes segment ids (every default tile does).
+template <int BlockM, int BlockN, int Stages, bool PairRule = true>
 struct FwdTile {
   static constexpr int kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
-  static constexpr bool kSegments = Segments;
+  static constexpr bool kPairRule = PairRule;
 };
 template <int HeadDim> struct FwdTileConfig;
 template <> struct FwdTileConfig<64>  : FwdTile<128, 128, 4> {};
@@ -49,7 +49,7 @@ struct FwdTraits {
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
-  static constexpr bool kSegments = Tile::kSegments;
+  static constexpr bool kPairRule = Tile::kPairRule;
 
   // One producer warpgroup (only one warp of it issues TMA) and kBlockM / 64
   // consumer warpgroups, each owning 64 rows of the Q tile.

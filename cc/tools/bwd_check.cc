@@ -46,6 +46,7 @@ struct Case {
   bool deterministic = false;  // also: two runs must be bit-identical
   int docs = 0;                // segment ids: documents per row (0: none)
   bool scattered = false;      // ids at random instead of contiguous documents
+  bool as_mask = false;        // the same rule given as a boolean mask
 };
 
 // Device memory of one problem: inputs, forward outputs, gradients, scratch.
@@ -101,7 +102,7 @@ void poison_outputs(const Buffers& m) {
 jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int right,
                               const check_util::Segments& seg) {
   jax_fa3::FwdParams p;
-  seg.attach(p.seg);
+  seg.attach(p.pair);
   p.q = m.q; p.k = m.k; p.v = m.v; p.o = m.o; p.lse = m.lse; p.q_lens = m.ql; p.kv_lens = m.kl;
   p.b = m.b; p.t = m.t; p.s = m.s; p.n = m.n; p.kh = m.kh; p.d = m.d;
   p.scale = 1.f / std::sqrt(float(m.d)); p.softcap = softcap;
@@ -112,7 +113,7 @@ jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int rig
 jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int right, bool deterministic,
                               const check_util::Segments& seg) {
   jax_fa3::BwdParams p;
-  seg.attach(p.seg);
+  seg.attach(p.pair);
   p.q = m.q; p.k = m.k; p.v = m.v; p.o = m.o; p.dout = m.dout; p.lse = m.lse;
   p.q_lens = m.ql; p.kv_lens = m.kl;
   p.dq = m.dq; p.dk = m.dk; p.dv = m.dv;
@@ -224,7 +225,7 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
 
   char what[200];
   std::snprintf(what, sizeof what, "%s d%d %s", bf16 ? "bf16" : "fp16", d, c.name);
-  const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1);
+  const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
   const jax_fa3::FwdParams fp = fwd_params(m, c.softcap, c.left, right, seg);
   int err = jax_fa3_fwd_launch(&fp, dt, "default", nullptr);
   if (err == -1) { release(m); return Outcome::kNotCompiled; }
@@ -390,6 +391,9 @@ int main(int argc, char** argv) {
       {"seg_det_causal", 2, 520, 520, 4, 2, true, -1, -1, 0.f, false, true, 6},
       {"seg_det_window", 1, 400, 400, 2, 1, false, 60, 20, 0.f, false, true, 4},
       {"seg_split", 1, 1000, 1000, 2, 2, false, -1, -1, 0.f, false, false, 7},
+      {"mask_cross_lens_gqa", 2, 333, 517, 6, 2, false, -1, -1, 0.f, true, false, 5, false, true},
+      {"mask_scattered_causal", 2, 300, 300, 2, 2, true, -1, -1, 0.f, false, false, 3, true, true},
+      {"mask_det_causal", 2, 520, 520, 4, 2, true, -1, -1, 0.f, false, true, 6, false, true},
   };
   int passed = 0, failed = 0;
   for (int d : hdims) {

@@ -155,13 +155,18 @@ inline bool parse_time_spec(const char* s, TimeSpec& ts) {
 // Segment ids of a case: `docs` contiguous documents spread evenly over the
 // queries and over the keys, or (scattered) ids drawn at random from
 // [0, docs), and the spans the kernels read (cc/fwd/params.h), computed by
-// brute force as jax_fa3/segments.py defines them. docs = 0: none.
+// brute force as jax_fa3/pair_rule.py defines them. docs = 0: none.
+// as_mask: the kernels get the same rule as a boolean mask [b, 1, t, s]
+// (equal ids) and its transpose, as bits (cc/fwd/params.h), instead of the ids.
 struct Segments {
   std::vector<int32_t> q_ids, kv_ids, q_spans, kv_spans;
+  std::vector<uint32_t> mask, mask_t;
   int b = 0, t = 0, s = 0;
   int32_t* dev[4] = {nullptr, nullptr, nullptr, nullptr};
+  uint32_t* dev_mask[2] = {nullptr, nullptr};
 
-  Segments(int b_, int t_, int s_, int docs, bool scattered, uint32_t seed) : b(b_), t(t_), s(s_) {
+  Segments(int b_, int t_, int s_, int docs, bool scattered, uint32_t seed, bool as_mask = false)
+      : b(b_), t(t_), s(s_) {
     if (docs <= 0) return;
     std::mt19937 gen(seed);
     for (int x = 0; x < b; ++x) {
@@ -175,17 +180,46 @@ struct Segments {
       CHECK_CUDA(cudaMalloc((void**)&dev[a], host[a]->size() * 4));
       CHECK_CUDA(cudaMemcpy(dev[a], host[a]->data(), host[a]->size() * 4, cudaMemcpyHostToDevice));
     }
+    if (!as_mask) return;
+    const int ch = (s + 127) / 128 + 1, ch_t = (t + 127) / 128 + 1;  // mask_chunks
+    mask.assign(size_t(b) * t * 4 * ch, 0);
+    mask_t.assign(size_t(b) * s * 4 * ch_t, 0);
+    // Column col of a row: word [row, (col % 8) / 2, col / 128], bit 2 ((col % 128) / 8) + col % 2.
+    auto set_bit = [](std::vector<uint32_t>& m, size_t row, int chunks, int col) {
+      m[(row * 4 + (col % 8) / 2) * chunks + col / 128] |= 1u << (2 * ((col % 128) / 8) + col % 2);
+    };
+    for (int x = 0; x < b; ++x)
+      for (int i = 0; i < t; ++i)
+        for (int j = 0; j < s; ++j)
+          if (same(x, i, j)) {
+            set_bit(mask, size_t(x) * t + i, ch, j);
+            set_bit(mask_t, size_t(x) * s + j, ch_t, i);
+          }
+    const std::vector<uint32_t>* hm[2] = {&mask, &mask_t};
+    for (int a = 0; a < 2; ++a) {
+      CHECK_CUDA(cudaMalloc((void**)&dev_mask[a], hm[a]->size() * 4));
+      CHECK_CUDA(cudaMemcpy(dev_mask[a], hm[a]->data(), hm[a]->size() * 4, cudaMemcpyHostToDevice));
+    }
   }
-  ~Segments() { for (int32_t* d : dev) cudaFree(d); }
+  ~Segments() {
+    for (int32_t* d : dev) cudaFree(d);
+    for (uint32_t* d : dev_mask) cudaFree(d);
+  }
   Segments(const Segments&) = delete;
   Segments& operator=(const Segments&) = delete;
 
   bool on() const { return !q_ids.empty(); }
   // Query i and key j of batch row x have equal ids (always, without ids).
   bool same(int x, int i, int j) const { return !on() || q_ids[size_t(x) * t + i] == kv_ids[size_t(x) * s + j]; }
-  template <class SegmentParams>
-  void attach(SegmentParams& sp) const {
-    if (on()) { sp.q_ids = dev[0]; sp.kv_ids = dev[1]; sp.q_spans = dev[2]; sp.kv_spans = dev[3]; }
+  template <class PairRuleParams>
+  void attach(PairRuleParams& sp) const {
+    if (!on()) return;
+    sp.q_spans = dev[2]; sp.kv_spans = dev[3]; sp.mask_b = b;
+    if (dev_mask[0] != nullptr) {
+      sp.mask = dev_mask[0]; sp.mask_t = dev_mask[1];
+    } else {
+      sp.q_ids = dev[0]; sp.kv_ids = dev[1];
+    }
   }
 
   // Per granule of 16 positions of side a: {lo, hi, full_lo, full_hi} in side b.

@@ -37,6 +37,7 @@ struct Case {
   bool lens = false;  // use q_lens / kv_lens shorter than t / s
   int docs = 0;            // segment ids: documents per row (0: none)
   bool scattered = false;  // ids at random instead of contiguous documents
+  bool as_mask = false;    // the same rule given as a boolean mask
 };
 
 struct Result { double max_err_o, max_err_lse; bool nan, repro, skipped = false; };
@@ -68,8 +69,8 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
   p.b = c.b; p.t = c.t; p.s = c.s; p.n = c.n; p.kh = c.kh; p.d = d;
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
-  const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1);
-  seg.attach(p.seg);
+  const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
+  seg.attach(p.pair);
 
   std::vector<uint16_t> out[2];
   std::vector<float> lse[2];
@@ -207,6 +208,9 @@ int main(int argc, char** argv) {
       {2, 333, 517, 4, 2, false, -1, -1, 0.f, true, 5},
       {1, 600, 600, 2, 1, false, 100, 30, 0.f, false, 4},
       {2, 300, 300, 2, 2, true, -1, -1, 0.f, false, 3, true},
+      // The same rules as boolean masks.
+      {2, 333, 517, 4, 2, false, -1, -1, 0.f, true, 5, false, true},
+      {2, 300, 300, 2, 2, true, -1, -1, 0.f, false, 3, true, true},
   };
   const bool bf16 = dtype == "bf16";
   const double tol_o = bf16 ? 2e-2 : 4e-3;
@@ -225,7 +229,7 @@ int main(int argc, char** argv) {
       std::printf("%s d%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d docs=%d%s  "
                   "max|dO|=%.2e max|dLSE|=%.2e nan=%d repro=%d  %s\n",
                   dtype.c_str(), d, c.b, c.t, c.s, c.n, c.kh, c.causal, c.left, c.right, c.softcap,
-                  c.lens, c.docs, c.scattered ? "s" : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
+                  c.lens, c.docs, c.scattered ? "s" : (c.as_mask ? "m" : ""), r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
     }
   }
   std::printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
