@@ -173,3 +173,19 @@ def test_new_rows_must_fit():
   q, kc, vc, kn, vn, lens, _ = _setup(6, 1, 8, 4, 2, 16, 8, None)
   with pytest.raises(ValueError, match="do not fit"):
     jax_fa3.attention_with_kvcache(q, kc[:, :4], vc[:, :4], lens, k_new=kn, v_new=vn)
+
+
+def test_demo_generation_agrees_with_the_full_forward(capsys):
+  # The demo's --generate path: a chunked prefill and one-token steps through
+  # a paged cache give the logits of the training forward on the same tokens.
+  import flax.linen as nn
+  from jax_fa3 import demo
+  args = demo.parse_args(["--layers", "2", "--batch", "8", "--seq-len", "64",
+                          "--period", "8", "--generate", "6", "--page-size", "4"],
+                         on_gpu=False)
+  mesh = demo.make_mesh(args)
+  model = demo._build(args, mesh, "fa3")
+  x = jnp.zeros((args.batch, args.seq_len), jnp.int32)
+  params = nn.unbox(model.init(jax.random.key(0), x, x)["params"])
+  assert demo.generate(args, model, params)
+  assert "decode logits vs full forward" in capsys.readouterr().out
