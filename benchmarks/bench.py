@@ -52,10 +52,11 @@ DEFAULT_HDIMS = (64, 128, 256)
 QUICK_SEQLENS = (1024, 4096, 8192)
 QUICK_HDIMS = (128,)
 # fa3det: deterministic=True backward; fa3ref: the Dao-AILab FA3 kernels
-# (flash_attn3_jax.flash_mha), when importable.
-IMPLS = ("fa3", "fa3det", "cudnn", "xla", "fa3ref")
+# (flash_attn3_jax.flash_mha); tokamax: its Mosaic GPU kernels -- the last two
+# when importable.
+IMPLS = ("fa3", "fa3det", "cudnn", "xla", "fa3ref", "tokamax")
 # Peers are checked against a float32 reference before they are timed.
-PEERS = ("cudnn", "fa3ref")
+PEERS = ("cudnn", "fa3ref", "tokamax")
 MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
@@ -401,6 +402,10 @@ def _attn_fn(impl: str, causal: bool, window_left: int = -1):
     from flash_attn3_jax import flash_mha  # causal: bottom-right, = top-left at T == S
     return functools.partial(flash_mha, is_causal=causal,
                              window_size=(window_left, 0) if win else (-1, -1))
+  if impl == "tokamax":
+    import tokamax
+    return functools.partial(tokamax.dot_product_attention, is_causal=causal,
+                             implementation="mosaic", **win)
   raise ValueError(f"unknown impl {impl!r}")
 
 

@@ -387,8 +387,9 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
   (partitioned) or, for ``implementation="reference"`` or where the kernel
   cannot run, the emulation.  ``v_transposed``: v8 is V^T from
   ``quantize_qkv(..., use_kernel=True, v_transposed=True)``; kernel only.
-  ``segs``: None, segment ids ``(q int32 [B,T], kv int32 [B,S])``, or
-  those with their spans (:func:`segments.operands`)."""
+  ``segs``: None or segment ids -- the pair ``(q int32 [B,T], kv int32
+  [B,S])`` for the emulation, the kernels' operands
+  (:func:`segments.operands`, ids first) for either."""
   b, t, n, h = q8.shape
   s = k8.shape[1]
   blocker = fp8_kernel_blocker(out_dtype, h)
@@ -400,8 +401,6 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
   if implementation != "reference" and blocker is None:
     ql = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens
     kl = jnp.full((b,), s, jnp.int32) if kv_lens is None else kv_lens
-    if segs is not None and len(segs) == 2:
-      segs = segments.operands(*segs)
     return sharding.fp8_fwd(q8, k8, v8, qs, ks, vs, ql, kl, segs, scale=scale,
                             window_left=wl, window_right=wr,
                             out_dtype=out_dtype, v_transposed=v_transposed)

@@ -226,7 +226,7 @@ def bwd_kernel_available(dtype, head_dim) -> bool:
           int(head_dim)) in _native.compiled_bwd_configs()
 
 
-def segment_kwargs(segs):
+def _segment_kwargs(segs):
   """The reference's segment-id keywords for the four operands."""
   q_ids, kv_ids = segments.ids_of(segs)
   return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
@@ -234,14 +234,14 @@ def segment_kwargs(segs):
 
 def _reference_fwd(q, k, v, q_lens, kv_lens, *segs, **attrs):
   return reference.attention_fwd(q, k, v, q_lens, kv_lens,
-                                 **segment_kwargs(segs), **attrs)
+                                 **_segment_kwargs(segs), **attrs)
 
 
 def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *segs,
                    deterministic, **attrs):
   del deterministic  # the reference's summation order is fixed
   return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                                 **segment_kwargs(segs), **attrs)
+                                 **_segment_kwargs(segs), **attrs)
 
 
 _bwd_kernel = _ffi(BWD_TARGET, _bwd_kernel_shapes, _bwd_kernel_attrs, 3)

@@ -24,6 +24,15 @@ rc=0
 for stage in "$@"; do
   echo "=== $stage ==="
   case "$stage" in
+    carried)  # what a call carries in .carry/ and .whl/: CUTLASS headers, a built tree, peer wheels
+      if [ -f .carry/cutlass.tgz ]; then mkdir -p .carry/cutlass && tar xzf .carry/cutlass.tgz -C .carry/cutlass; fi
+      if [ -f .carry/build_so.tgz ]; then tar xzf .carry/build_so.tgz; fi
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+          && export PYTHONPATH=$PYTHONPATH:/tmp/site
+        # tokamax imports xprof only for its own profiler: an empty module will do.
+        python3 -c "import xprof" 2>/dev/null || { mkdir -p /tmp/site/xprof && : > /tmp/site/xprof/__init__.py; }
+      fi; ls .carry .whl 2>/dev/null ;;
     build)  # kernels, binding and check drivers for this machine's python3; BUILD_TARGETS narrows it.
       # CUTLASS headers: $CUTLASS_INCLUDE_DIR, else .carry/cutlass/include if present (a machine
       # without the nvidia-cutlass package), else CMake asks the package.
@@ -100,6 +109,13 @@ for stage in "$@"; do
       env -u XLA_PYTHON_CLIENT_PREALLOCATE python3 benchmarks/bench.py --modes fwd,bwd --seqlens 1024,2048,4096,8192,16384 \
         --repeats 2 --min-run-ms 1000 --max-iters 5000 --clocks --markdown ${STEADY_ARGS:-} --out "$OUT/steady" 2>&1 \
         | tee "$OUT/steady.log" | grep -E "^\| (fa3|cudnn)" | head -130 ;;
+    packed)  # packed documents (segment ids) vs the documents one by one and the FA3 varlen kernel
+      timeout ${PACKED_TIMEOUT:-300} python3 benchmarks/packed_bench.py --out "$OUT/packed" ${PACKED_ARGS:-} 2>&1 \
+        | tee "$OUT/packed.log" | tail -25 ;;
+    peers)  # the sweep and the real-model shapes against cuDNN, Dao-AILab FA3 and tokamax (carried wheels)
+      env -u XLA_PYTHON_CLIENT_PREALLOCATE python3 benchmarks/bench.py --shapes all --impls ${PEERS_IMPLS:-fa3,cudnn,fa3ref,tokamax} \
+        --seqlens 1024,2048,4096,8192,16384 --markdown --out "$OUT/peers" ${PEERS_ARGS:-} 2>&1 \
+        | tee "$OUT/peers.log" | grep -E "^\| (fa3|cudnn|fa3ref|tokamax) " | head -260 ;;
     fp8check)  # FP8 pre-pass + kernel vs host float64, without XLA (cc/tools/fp8_check.cc); then timings.
       # Every launch is bracketed by flushed "[fp8_check]" lines and a 10 s host watchdog (exit 3, "HANG in ...").
       { timeout 60 $FP8_CHECK --stage prepass --watchdog 10; echo "prepass rc=$?"
