@@ -308,7 +308,8 @@ def test_error_messages_name_the_problem(monkeypatch):
 # ---------------------------------------------------------- public names
 PUBLIC = {"attention", "dot_product_attention", "flax_attention_fn",
           "attention_fp8", "quantize_fp8", "ring_attention", "to_zigzag",
-          "from_zigzag", "kernels_available", "__version__"}
+          "from_zigzag", "kernels_available", "__version__",
+          "attention_with_kvcache"}
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 

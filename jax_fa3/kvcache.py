@@ -1,0 +1,212 @@
+"""Attention against a KV cache (decode, speculative verification, chunked
+prefill): :func:`attention_with_kvcache`.
+
+Semantics (the contract the kernels will keep):
+
+* The cache is contiguous ``[B, S_max, K, H]`` or paged
+  ``[num_pages, page_size, K, H]`` with ``page_table`` int32
+  ``[B, max_pages_per_seq]``: position ``p`` of row ``b`` lives in page
+  ``page_table[b, p // page_size]`` at slot ``p % page_size``.  Capacity per
+  row: ``S_max``, or ``max_pages_per_seq * page_size``.
+* ``cache_seqlens[b]``: valid positions before the call.  With ``k_new`` /
+  ``v_new`` ``[B, Tq, K, H]`` their rows are written at positions
+  ``cache_seqlens[b] + i`` and attended to; row ``b`` then has
+  ``L[b] = cache_seqlens[b] + Tq`` keys, else ``L[b] = cache_seqlens[b]``.
+* Causal alignment is **bottom-right** (as FlashAttention's KV-cache entry
+  point): query ``i`` sits at absolute position ``L[b] - Tq + i``, so the
+  last query is aligned with the last key (with ``k_new``: position
+  ``cache_seqlens[b] + i``).  ``jax_fa3.attention`` is top-left aligned
+  instead (query ``i`` at position ``i``).  ``local_window_size=(left,
+  right)`` is relative to the same diagonal.  A query that sees no key
+  (e.g. position < 0 when ``L[b] < Tq``) outputs 0.
+* Out-of-range values at run time never read or write outside the cache:
+  ``cache_seqlens`` is clamped to ``[0, capacity]``, new rows past the
+  capacity are dropped, page ids are clamped to ``[0, num_pages - 1]``.
+
+This module holds the pure-JAX path (any float dtype, any page size, on any
+backend); it gathers the row's pages into a dense ``[B, capacity, K, H]``
+view, so it suits tests and moderate caches, not production decode.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_fa3 import _validate as V
+
+__all__ = ["attention_with_kvcache"]
+
+
+def _check_cache(k_cache, v_cache, page_table, B, K, H):
+  """-> (paged, capacity, page_size)."""
+  k_cache = V.as_array(k_cache, "k_cache")
+  v_cache = V.as_array(v_cache, "v_cache")
+  if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+    raise ValueError("k_cache and v_cache must have one rank-4 shape, "
+                     "[B, S_max, K, H] (contiguous) or [num_pages, page_size, "
+                     f"K, H] (paged), got {k_cache.shape} and {v_cache.shape}")
+  if k_cache.shape[2:] != (K, H):
+    raise ValueError(f"k_cache/v_cache heads and head dim {k_cache.shape[2:]} "
+                     f"do not match k_new / the query's (K, H) = {(K, H)}")
+  if page_table is None:
+    if k_cache.shape[0] != B:
+      raise ValueError(f"a contiguous cache needs batch {B}, got k_cache of "
+                       f"shape {k_cache.shape} (pass page_table for a paged one)")
+    return False, k_cache.shape[1], None
+  pt = V.as_array(page_table, "page_table")
+  if not jnp.issubdtype(pt.dtype, jnp.integer) or pt.ndim != 2 or pt.shape[0] != B:
+    raise ValueError("page_table must be an integer array of shape "
+                     f"[B, max_pages_per_seq] with B = {B}, got {pt.dtype} "
+                     f"{pt.shape}")
+  page_size = k_cache.shape[1]
+  if page_size < 1 or k_cache.shape[0] < 1:
+    raise ValueError(f"a paged cache needs pages, got shape {k_cache.shape}")
+  return True, pt.shape[1] * page_size, page_size
+
+
+def _positions(pt, paged, page_size, num_pages, pos):
+  """(first index, second index) of positions ``pos [B, L]`` in the cache."""
+  if not paged:
+    b = jnp.broadcast_to(jnp.arange(pos.shape[0])[:, None], pos.shape)
+    return b, pos
+  page = jnp.take_along_axis(pt, jnp.clip(pos // page_size, 0, pt.shape[1] - 1),
+                             axis=1)
+  return jnp.clip(page, 0, num_pages - 1), pos % page_size
+
+
+def _append(cache, new, pt, paged, page_size, seqlens, capacity):
+  """Writes ``new [B, Tq, K, H]`` at positions ``seqlens + i``; rows past the
+  capacity are dropped."""
+  B, Tq = new.shape[:2]
+  pos = seqlens[:, None] + jnp.arange(Tq, dtype=jnp.int32)[None]
+  i0, i1 = _positions(pt, paged, page_size, cache.shape[0], pos)
+  # Out-of-range rows get an index past the end, which mode="drop" ignores.
+  i0 = jnp.where(pos < capacity, i0, cache.shape[0])
+  return cache.at[i0, i1].set(new.astype(cache.dtype), mode="drop")
+
+
+def _gather(cache, pt, paged, page_size, capacity, B):
+  """The dense ``[B, capacity, K, H]`` view of the cache."""
+  if not paged:
+    return cache
+  pos = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32)[None], (B, capacity))
+  i0, i1 = _positions(pt, paged, page_size, cache.shape[0], pos)
+  return cache[i0, i1]
+
+
+def _reference(q, k, v, lengths, *, scale, causal, window, softcap):
+  """Dense attention of ``q [B, Tq, N, H]`` on ``k, v [B, C, K, H]`` with the
+  module's bottom-right semantics; f32 softmax, output in q's dtype."""
+  B, Tq, N, H = q.shape
+  C, K = k.shape[1], k.shape[2]
+  G = N // K
+  qg = q.reshape(B, Tq, K, G, H).astype(jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale
+  if softcap:
+    s = softcap * jnp.tanh(s / softcap)
+  qpos = lengths[:, None] - Tq + jnp.arange(Tq, dtype=jnp.int32)[None]  # [B, Tq]
+  j = jnp.arange(C, dtype=jnp.int32)[None, None]
+  vis = j < lengths[:, None, None]
+  if causal:
+    vis = vis & (j <= qpos[..., None])
+  if window is not None:
+    vis = vis & (j >= qpos[..., None] - window[0])
+    if not causal:
+      vis = vis & (j <= qpos[..., None] + window[1])
+  vis = vis[:, None, None]  # [B, 1, 1, Tq, C]
+  s = jnp.where(vis, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  den = jnp.sum(p, axis=-1, keepdims=True)
+  with jax.default_matmul_precision("highest"):
+    o = jnp.einsum("bkgts,bskh->btkgh", p / jnp.where(den > 0, den, 1.0),
+                   v.astype(jnp.float32))
+  return o.reshape(B, Tq, N, H).astype(q.dtype)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
+                           v_new=None, page_table=None, scale=None,
+                           is_causal=True, local_window_size=None,
+                           softcap=None, num_splits=None):
+  """Attention of ``q [B, Tq, N, H]`` against a KV cache (module docstring).
+
+  Args:
+    q: queries, ``Tq`` = 1 (decode), a few (speculative verification) or a
+      chunk (chunked prefill).
+    k_cache, v_cache: ``[B, S_max, K, H]``, or ``[num_pages, page_size, K,
+      H]`` with ``page_table``.
+    cache_seqlens: int32 ``[B]``, valid cache positions before this call.
+    k_new, v_new: optional ``[B, Tq, K, H]``, appended at ``cache_seqlens``
+      and attended to.
+    page_table: optional int32 ``[B, max_pages_per_seq]`` (a paged cache).
+    scale: defaults to ``1 / sqrt(H)``.
+    is_causal: bottom-right causal (default True).
+    local_window_size: ``w`` or ``(left, right)`` around the diagonal.
+    softcap: scores ``-> c * tanh(s / c)``.
+    num_splits: None (chosen from the shape) or an int >= 1: how many parts
+      of the cache length the kernel splits the work into; results are
+      deterministic for a fixed value.  The pure-JAX path ignores it.
+
+  Returns:
+    ``out [B, Tq, N, H]``, or ``(out, k_cache, v_cache)`` with the caches
+    updated when ``k_new`` / ``v_new`` are given (under ``jit`` donate the
+    caches to update them in place).
+  """
+  q = V.as_array(q, "q")
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, Tq, N, H], got shape {q.shape}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q must have a floating dtype, got {q.dtype}")
+  B, Tq, N, H = q.shape
+  if (k_new is None) != (v_new is None):
+    raise ValueError("k_new and v_new go together")
+  kc = V.as_array(k_cache, "k_cache")
+  K = kc.shape[2] if kc.ndim == 4 else -1
+  if k_new is not None:
+    k_new, v_new = V.as_array(k_new, "k_new"), V.as_array(v_new, "v_new")
+    if k_new.shape != v_new.shape or k_new.shape[:2] != (B, Tq) or k_new.ndim != 4:
+      raise ValueError(f"k_new and v_new must be [B, Tq, K, H] = [{B}, {Tq}, "
+                       f"K, H], got {k_new.shape} and {v_new.shape}")
+    K = k_new.shape[2]
+    if k_new.shape[3] != H:
+      raise ValueError(f"k_new head dim {k_new.shape[3]} != q's {H}")
+  paged, capacity, page_size = _check_cache(k_cache, v_cache, page_table, B, K, H)
+  if K < 1 or N % K:
+    raise ValueError(f"the query heads N={N} must be a multiple of the cache's "
+                     f"kv heads K={K}")
+  if np.dtype(kc.dtype) != np.dtype(q.dtype) or (
+      k_new is not None and np.dtype(k_new.dtype) != np.dtype(q.dtype)):
+    raise ValueError("q, the caches and k_new/v_new must share one dtype, got "
+                     f"{q.dtype}, {kc.dtype}"
+                     + ("" if k_new is None else f", {k_new.dtype}"))
+  sl = V.as_array(cache_seqlens, "cache_seqlens")
+  if not jnp.issubdtype(sl.dtype, jnp.integer) or sl.shape != (B,):
+    raise ValueError(f"cache_seqlens must be an integer array of shape [{B}], "
+                     f"got {sl.dtype} {sl.shape}")
+  if k_new is not None and Tq > capacity:
+    raise ValueError(f"{Tq} new rows do not fit a cache of capacity {capacity}")
+  if num_splits is not None and not (V.is_int(num_splits) and num_splits >= 1):
+    raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+  scale = V.check_scale(scale, H)
+  causal = V.check_is_causal(is_causal)
+  window = V.check_window(local_window_size)
+  softcap = V.check_softcap(softcap)
+
+  sl = jnp.clip(sl.astype(jnp.int32), 0, capacity)
+  pt = None if page_table is None else jnp.asarray(page_table, jnp.int32)
+  k_cache, v_cache = kc, V.as_array(v_cache, "v_cache")
+  if k_new is not None:
+    k_cache = _append(k_cache, k_new, pt, paged, page_size, sl, capacity)
+    v_cache = _append(v_cache, v_new, pt, paged, page_size, sl, capacity)
+    lengths = jnp.minimum(sl + Tq, capacity)
+  else:
+    lengths = sl
+  k = _gather(k_cache, pt, paged, page_size, capacity, B)
+  v = _gather(v_cache, pt, paged, page_size, capacity, B)
+  out = _reference(q, k, v, lengths, scale=scale, causal=causal, window=window,
+                   softcap=softcap)
+  if k_new is None:
+    return out
+  return out, k_cache, v_cache

@@ -1,0 +1,191 @@
+"""attention_with_kvcache (pure-JAX path) against jax.nn on the gathered
+dense cache with the explicit bottom-right mask, float32, XLA:CPU; the cache
+update; validation."""
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+import jax_fa3
+
+from fa3_testing import close
+
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
+
+def _setup(seed, B, Tq, N, K, H, cap, page_size=None, dtype=jnp.float32):
+  """Random q, caches (contiguous, or paged through a random non-contiguous
+  page table), new rows, ragged cache lengths incl. 0 and full."""
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+  q = f(B, Tq, N, H)
+  k_new, v_new = f(B, Tq, K, H), f(B, Tq, K, H)
+  lens = rng.integers(0, cap - Tq + 1, B).astype(np.int32)
+  lens[0] = 0
+  if B > 1:
+    lens[1] = cap - Tq  # full after the append
+  if page_size is None:
+    return q, f(B, cap, K, H), f(B, cap, K, H), k_new, v_new, lens, None
+  per = cap // page_size
+  num_pages = B * per + 3
+  table = rng.permutation(num_pages)[:B * per].reshape(B, per).astype(np.int32)
+  return (q, f(num_pages, page_size, K, H), f(num_pages, page_size, K, H),
+          k_new, v_new, lens, table)
+
+
+def _dense(cache, table, page_size):
+  cache = np.asarray(cache)
+  if table is None:
+    return cache
+  return cache[table].reshape(table.shape[0], -1, *cache.shape[2:])
+
+
+def _expected(q, kc, vc, k_new, v_new, lens, table, page_size, *, causal=True,
+              window=None, softcap=None, scale=None):
+  """jax.nn (xla, f32) on the dense cache with the new rows written and the
+  bottom-right mask spelled out; rows that see nothing are 0."""
+  k, v = _dense(kc, table, page_size).copy(), _dense(vc, table, page_size).copy()
+  B, Tq = q.shape[:2]
+  C = k.shape[1]
+  L = np.array(lens)
+  if k_new is not None:
+    for b in range(B):
+      k[b, L[b]:L[b] + Tq] = np.asarray(k_new)[b]
+      v[b, L[b]:L[b] + Tq] = np.asarray(v_new)[b]
+    L = L + Tq
+  qpos = L[:, None] - Tq + np.arange(Tq)[None]
+  j = np.arange(C)[None, None]
+  vis = j < L[:, None, None]
+  if causal:
+    vis = vis & (j <= qpos[..., None])
+  if window is not None:
+    vis = vis & (j >= qpos[..., None] - window[0])
+    if not causal:
+      vis = vis & (j <= qpos[..., None] + window[1])
+  with jax.default_matmul_precision("highest"):
+    s = jnp.einsum("btnh,bsnh->bnts", jnp.asarray(q, jnp.float32),
+                   jnp.repeat(jnp.asarray(k, jnp.float32), q.shape[2] // k.shape[2], 2))
+    s = s * (scale if scale is not None else 1 / np.sqrt(q.shape[-1]))
+    if softcap:
+      s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(vis[:, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(vis[:, None].any(-1, keepdims=True), p, 0.0)
+    out = jnp.einsum("bnts,bsnh->btnh", p,
+                     jnp.repeat(jnp.asarray(v, jnp.float32), q.shape[2] // k.shape[2], 2))
+  return np.asarray(out), k, v
+
+
+@pytest.mark.parametrize("Tq", [1, 2, 5, 16])
+@pytest.mark.parametrize("page_size", [None, 4, 16])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1), (4, 4)])
+def test_append_and_attend(Tq, page_size, heads):
+  N, K = heads
+  B, H, cap = 3, 16, 64
+  q, kc, vc, kn, vn, lens, table = _setup(Tq * 7 + (page_size or 0), B, Tq, N,
+                                          K, H, cap, page_size)
+  f = jax.jit(lambda *a: jax_fa3.attention_with_kvcache(
+      a[0], a[1], a[2], a[3], k_new=a[4], v_new=a[5],
+      page_table=None if page_size is None else a[6]))
+  out, kc2, vc2 = f(q, kc, vc, lens, kn, vn, table)
+  want, k_want, v_want = _expected(q, kc, vc, kn, vn, lens, table, page_size)
+  close(out, want, rtol=1e-5, atol=1e-5)
+  close(_dense(kc2, table, page_size), k_want, rtol=0, atol=0)
+  close(_dense(vc2, table, page_size), v_want, rtol=0, atol=0)
+  if page_size is not None:  # pages outside the table are untouched
+    unused = np.setdiff1d(np.arange(kc.shape[0]), table)
+    np.testing.assert_array_equal(np.asarray(kc2)[unused], np.asarray(kc)[unused])
+
+
+@pytest.mark.parametrize("kind", ["no_append", "window", "window_noncausal",
+                                  "softcap", "noncausal", "chunk128"])
+def test_variants(kind):
+  B, N, K, H, cap = 2, 4, 2, 16, 160
+  Tq = 128 if kind == "chunk128" else 3
+  q, kc, vc, kn, vn, lens, table = _setup(len(kind), B, Tq, N, K, H, cap, 8)
+  kw, ekw = {}, {}
+  if kind == "no_append":
+    kn = vn = None
+    lens = np.array([0, 100], np.int32)  # row 0 sees nothing: zeros
+  if kind in ("window", "window_noncausal"):
+    kw["local_window_size"] = ekw["window"] = (7, 2)
+  if kind in ("noncausal", "window_noncausal"):
+    kw["is_causal"] = ekw["causal"] = False
+  if kind == "softcap":
+    kw["softcap"] = ekw["softcap"] = 5.0
+  res = jax_fa3.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn,
+                                       page_table=table, **kw)
+  out = res if kn is None else res[0]
+  want = _expected(q, kc, vc, kn, vn, lens, table, 8, **ekw)[0]
+  close(out, want, rtol=1e-5, atol=1e-5)
+  if kind == "no_append":
+    np.testing.assert_array_equal(np.asarray(out)[0], 0.0)
+
+
+def test_bf16_and_out_of_range_values_stay_in_the_cache():
+  # cache_seqlens past the capacity clamp; new rows past it are dropped;
+  # page ids past the pool clamp: nothing outside the cache changes shape
+  # or reads out of bounds, and the output stays finite.
+  B, Tq, N, K, H, cap = 2, 4, 4, 2, 16, 32
+  q, kc, vc, kn, vn, _, table = _setup(3, B, Tq, N, K, H, cap, 8, jnp.bfloat16)
+  lens = np.array([cap + 50, cap - 2], np.int32)
+  bad = table.copy()
+  bad[1, -1] = 10_000
+  out, kc2, vc2 = jax_fa3.attention_with_kvcache(q, kc, vc, lens, k_new=kn,
+                                                 v_new=vn, page_table=bad)
+  assert out.dtype == jnp.bfloat16 and kc2.shape == kc.shape
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_deterministic_and_num_splits_accepted():
+  q, kc, vc, kn, vn, lens, table = _setup(4, 2, 1, 4, 2, 16, 64, None)
+  a = jax_fa3.attention_with_kvcache(q, kc, vc, lens, num_splits=3)
+  b = jax_fa3.attention_with_kvcache(q, kc, vc, lens, num_splits=3)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=np.zeros((2, 1, 4))), r"q must be \[B, Tq, N, H\]"),
+    (dict(k_new=np.zeros((2, 1, 2, 16), np.float32)), "k_new and v_new go together"),
+    (dict(cache_seqlens=np.zeros((3,), np.int32)), r"cache_seqlens must be .* \[2\]"),
+    (dict(cache_seqlens=np.zeros((2,), np.float32)), "cache_seqlens must be an integer"),
+    (dict(k_cache=np.zeros((2, 64, 3, 16), np.float32),
+          v_cache=np.zeros((2, 64, 3, 16), np.float32)), "multiple of the cache's kv heads"),
+    (dict(k_cache=np.zeros((3, 64, 2, 16), np.float32),
+          v_cache=np.zeros((3, 64, 2, 16), np.float32)), "contiguous cache needs batch 2"),
+    (dict(page_table=np.zeros((2,), np.int32)), "page_table must be"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(local_window_size=-1), "local_window_size"),
+    (dict(k_cache=np.zeros((2, 64, 2, 16), jnp.bfloat16),
+          v_cache=np.zeros((2, 64, 2, 16), jnp.bfloat16)), "share one dtype"),
+])
+def test_validation(change, match):
+  q, kc, vc, _, _, lens, _ = _setup(5, 2, 1, 4, 2, 16, 64, None)
+  args = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lens)
+  args.update(change)
+  with pytest.raises(ValueError, match=match):
+    jax_fa3.attention_with_kvcache(args.pop("q"), args.pop("k_cache"),
+                                   args.pop("v_cache"), args.pop("cache_seqlens"),
+                                   **args)
+
+
+def test_new_rows_must_fit():
+  q, kc, vc, kn, vn, lens, _ = _setup(6, 1, 8, 4, 2, 16, 8, None)
+  with pytest.raises(ValueError, match="do not fit"):
+    jax_fa3.attention_with_kvcache(q, kc[:, :4], vc[:, :4], lens, k_new=kn, v_new=vn)
+
+
+def test_demo_generation_agrees_with_the_full_forward(capsys):
+  # The demo's --generate path: a chunked prefill and one-token steps through
+  # a paged cache give the logits of the training forward on the same tokens.
+  import flax.linen as nn
+  from jax_fa3 import demo
+  args = demo.parse_args(["--layers", "2", "--batch", "8", "--seq-len", "64",
+                          "--period", "8", "--generate", "6", "--page-size", "4"],
+                         on_gpu=False)
+  mesh = demo.make_mesh(args)
+  model = demo._build(args, mesh, "fa3")
+  x = jnp.zeros((args.batch, args.seq_len), jnp.int32)
+  params = nn.unbox(model.init(jax.random.key(0), x, x)["params"])
+  assert demo.generate(args, model, params)
+  assert "decode logits vs full forward" in capsys.readouterr().out
