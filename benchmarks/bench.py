@@ -51,12 +51,13 @@ DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_HDIMS = (64, 128, 256)
 QUICK_SEQLENS = (1024, 4096, 8192)
 QUICK_HDIMS = (128,)
-# fa3det: deterministic=True backward; fa3ref: the Dao-AILab FA3 kernels
+# fa3det: deterministic=True backward; fa3sinks: with attention sinks
+# (their cost); fa3ref: the Dao-AILab FA3 kernels
 # (flash_attn3_jax.flash_mha); tokamax: its Mosaic GPU kernels -- the last two
 # when importable.
-IMPLS = ("fa3", "fa3det", "cudnn", "xla", "fa3ref", "tokamax")
+IMPLS = ("fa3", "fa3det", "fa3sinks", "cudnn", "xla", "fa3ref", "tokamax")
 # Peers are checked against a float32 reference before they are timed.
-PEERS = ("cudnn", "fa3ref", "tokamax")
+PEERS = ("cudnn", "fa3ref", "tokamax", "fa3sinks")
 MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
@@ -286,6 +287,7 @@ def plot(rows: list[Row], path: str, title: str = "") -> bool:
   panels = sorted({(r.shape.causal, r.shape.hdim) for r in ok})
   impls = [i for i in IMPLS if any(r.impl == i for r in ok)]
   style = {"fa3": ("tab:red", "o"), "fa3det": ("tab:orange", "D"),
+           "fa3sinks": ("tab:purple", "v"),
            "cudnn": ("tab:green", "s"),
            "xla": ("tab:blue", "^")}
   nr, nc = len(modes), len(panels)
@@ -395,6 +397,17 @@ def _attn_fn(impl: str, causal: bool, window_left: int = -1):
     return functools.partial(jax_fa3.attention, is_causal=causal,
                              implementation="fa3",
                              deterministic=impl == "fa3det", **win)
+  if impl == "fa3sinks":  # the cost of attention sinks
+    jax_fa3 = _import_jax_fa3()
+
+    def with_sinks(q, k, v):
+      # A logit far below every score: the result equals fa3's (so the
+      # peer check applies) at the full cost.  The sinks depend on q so that
+      # the backward computes dsinks (a constant's would be dead code).
+      sinks = -1e4 + 0.0 * q[0, 0, :, 0].astype(jax.numpy.float32)
+      return jax_fa3.attention(q, k, v, is_causal=causal, implementation="fa3",
+                               sinks=sinks, **win)
+    return with_sinks
   if impl in ("cudnn", "xla"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                              implementation=impl, **win)

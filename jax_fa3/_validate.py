@@ -22,8 +22,9 @@ def as_array(x, name):
     raise ValueError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
-def check_qkv(query, key, value, *, ndim=4):
-  """Checks q [B,T,N,H], k/v [B,S,K,H]; returns the three arrays."""
+def check_qkv(query, key, value, *, ndim=4, value_head_dim=False):
+  """Checks q [B,T,N,H], k/v [B,S,K,H] (v [B,S,K,Hv] with any Hv if
+  ``value_head_dim``); returns the three arrays."""
   q, k, v = (as_array(query, "query"), as_array(key, "key"),
              as_array(value, "value"))
   for name, t in (("query", q), ("key", k), ("value", v)):
@@ -37,10 +38,14 @@ def check_qkv(query, key, value, *, ndim=4):
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError("query, key and value must have the same dtype, got "
                      f"{q.dtype}, {k.dtype}, {v.dtype}")
-  if k.shape != v.shape:
-    raise ValueError(f"key and value must have the same shape [B, S, K, H], "
+  if k.shape[:-1] != v.shape[:-1] or (not value_head_dim
+                                       and k.shape != v.shape):
+    form = "[B, S, K]" if value_head_dim else "[B, S, K, H]"
+    raise ValueError(f"key and value must have the same shape {form}, "
                      f"got key {k.shape} and value {v.shape} (mismatched "
                      "k-v lengths, heads or head_dim)")
+  if v.shape[-1] == 0:
+    raise ValueError(f"value head_dim must be positive, got {v.shape}")
   B, T, N, H = q.shape
   if k.shape[0] != B:
     raise ValueError(f"query and key/value batch sizes differ: {B} vs "
@@ -195,6 +200,20 @@ def _check_ids(ids, name, batch, length, form):
     raise ValueError(f"{name} batch size {ids.shape[0]} does not match the "
                      f"query/key/value batch size {batch}")
   return ids.astype(jnp.int32)
+
+
+def check_sinks(sinks, num_heads):
+  """None or a floating ``[N]`` array -> None or float32 ``[N]``."""
+  if sinks is None:
+    return None
+  s = as_array(sinks, "sinks")
+  if not jnp.issubdtype(s.dtype, jnp.floating):
+    raise ValueError(f"sinks must be a floating (float32) array of shape "
+                     f"[N]=({num_heads},), got dtype {s.dtype}")
+  if s.shape != (num_heads,):
+    raise ValueError(f"sinks must have shape [N]=({num_heads},) (one logit "
+                     f"per query head), got {s.shape}")
+  return s.astype(jnp.float32)
 
 
 def check_segment_ids(q_segment_ids, kv_segment_ids, B, T, S):

@@ -50,12 +50,15 @@ def _check_mask_args(query_seq_lengths, key_value_seq_lengths,
   return q_lens, kv_lens, scale, wl, wr
 
 
-def _not_on_kernel(bias, mask):
+def _not_on_kernel(bias, mask, q, v):
   """The argument(s) the kernels cannot take yet (None if none): a bias
-  (and a mask that comes with one)."""
+  (and a mask that comes with one), a value head dim unlike q's."""
   del mask  # a boolean mask alone runs on the kernels
   if bias is not None:
     return "bias is"
+  if v.shape[-1] != q.shape[-1]:
+    return (f"a value head_dim ({v.shape[-1]}) different from the query/key "
+            f"head_dim ({q.shape[-1]}) is")
   return None
 
 
@@ -74,15 +77,15 @@ def _use_kernel(q, implementation, unsupported=None):
 
 
 def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
-          implementation, deterministic=False, segment_ids=None):
-  """Validated 4-D inputs -> (out [B,T,N,H], lse f32 [B,N,T])."""
-  unsupported = _not_on_kernel(bias, mask)
+          implementation, deterministic=False, segment_ids=None, sinks=None):
+  """Validated 4-D inputs -> (out [B,T,N,Hv], lse f32 [B,N,T])."""
+  unsupported = _not_on_kernel(bias, mask, q, v)
   cfg = core.Config(scale=scale, softcap=softcap, window_left=wl,
                     window_right=wr, deterministic=deterministic,
                     kernel=_use_kernel(q, implementation, unsupported),
                     block_k=_BLOCK_K)
   return core.attention(q, k, v, q_lens, kv_lens, bias, mask, cfg,
-                        segment_ids=segment_ids)
+                        segment_ids=segment_ids, sinks=sinks)
 
 
 def _fp8_config(q, softcap, implementation, wl, wr, scale, deterministic,
@@ -117,12 +120,14 @@ def attention(query, key, value, *, scale=None, is_causal=False,
               key_value_seq_lengths=None, softcap=None, precision=None,
               implementation=None, deterministic=False, fp8_block_scales=True,
               fp8_hadamard=True, fp8_seed=0, q_segment_ids=None,
-              kv_segment_ids=None):
+              kv_segment_ids=None, sinks=None):
   """FlashAttention-3 attention with the layout of ``jax.nn.dot_product_attention``.
 
   Args:
-    query: ``[B, T, N, H]``; key, value: ``[B, S, K, H]`` with ``N % K == 0``
-      (GQA / MQA).  bfloat16/float16 for the kernel; float32 uses the reference.
+    query: ``[B, T, N, H]``; key: ``[B, S, K, H]`` with ``N % K == 0``
+      (GQA / MQA); value: ``[B, S, K, Hv]``.  bfloat16/float16 for the
+      kernel; float32 uses the reference.  ``Hv != H`` (e.g. 192/128 latent
+      attention) runs on the reference for now.
     scale: logit scale, default ``1/sqrt(H)``.
     is_causal: top-left aligned causal mask (query ``i`` sees keys ``<= i``).
     local_window_size: ``w`` (= ``(w, w)``) or ``(left, right)``: query ``i``
@@ -149,12 +154,17 @@ def attention(query, key, value, *, scale=None, is_causal=False,
       ``kv_segment_ids`` defaults to ``q_segment_ids`` when ``T == S``.
       Composes with every mask above; causal / window positions are the
       row's global positions (top-left aligned), not per-segment ones.
+    sinks: optional float32 ``[N]``: attention sinks, one learnable logit
+      per query head for a virtual key with value 0 that joins every row's
+      softmax (``softmax([s_row, sink])``, the sink's share dropped), so
+      rows may attend to "nothing".  Differentiable (``dsink[n] =
+      -sum(P_sink * rowsum(dout * out))`` over batch and rows).
 
   Returns:
-    Array with ``query``'s shape and dtype.  Rows with no visible key are 0
-    (jax.nn returns mean(V) for non-padded fully-masked rows).
+    Array ``[B, T, N, Hv]`` with ``query``'s dtype.  Rows with no visible key
+    are 0 (jax.nn returns mean(V) for non-padded fully-masked rows).
   """
-  q, k, v = V.check_qkv(query, key, value)
+  q, k, v = V.check_qkv(query, key, value, value_head_dim=True)
   B, T, N, H = q.shape
   q_lens, kv_lens, scale, wl, wr = _check_mask_args(
       query_seq_lengths, key_value_seq_lengths, local_window_size, is_causal,
@@ -164,16 +174,20 @@ def attention(query, key, value, *, scale=None, is_causal=False,
   V.check_precision(precision)
   V.check_implementation(implementation, _OWN_IMPLS)
   seg = V.check_segment_ids(q_segment_ids, kv_segment_ids, B, T, k.shape[1])
+  sinks = V.check_sinks(sinks, N)
   if precision == "fp8":
+    if v.shape[-1] != H:
+      raise ValueError(f"precision='fp8' needs equal query/key and value "
+                       f"head_dims, got {H} and {v.shape[-1]}")
     opts = fp8.check_fp8_options(fp8_block_scales, fp8_hadamard, fp8_seed)
     cfg = _fp8_config(q, softcap, implementation, wl, wr, scale,
                       deterministic, opts)
     return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg,
-                          segment_ids=seg)[0]
+                          segment_ids=seg, sinks=sinks)[0]
   out, _ = _core(q, k, v, bias=None, mask=None, q_lens=q_lens,
                  kv_lens=kv_lens, scale=scale, softcap=softcap, wl=wl, wr=wr,
                  implementation=implementation, deterministic=deterministic,
-                 segment_ids=seg)
+                 segment_ids=seg, sinks=sinks)
   return out
 
 
@@ -347,7 +361,7 @@ def flax_attention_fn(query, key, value, bias=None, mask=None,
 def ring_attention(query, key, value, *, axis_name, is_causal=False,
                    layout="contiguous", scale=None, softcap=None,
                    query_seq_lengths=None, key_value_seq_lengths=None,
-                   implementation=None, return_lse=False):
+                   implementation=None, return_lse=False, sinks=None):
   """Ring attention for use inside ``shard_map`` (sequence split over ``axis_name``).
 
   Args:
@@ -366,6 +380,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
       or "reference".
     return_lse: also return the global log-sum-exp ``f32 [B, N, T/P]``
       (``+inf`` for rows that see no key; not differentiable).
+    sinks: as in :func:`jax_fa3.attention` (replicated on the ring): the
+      sink joins each row's softmax once, after the ring's merge (a row
+      that sees no key then has the sink as its lse).
 
   Local windows are not supported (ValueError).
   """
@@ -401,5 +418,6 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
       kernel=_use_kernel(q, implementation),
       ring=core.RingConfig(axis_name, n_dev, layout, is_causal),
       block_k=_BLOCK_K)
-  out, lse = core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)
+  out, lse = core.attention(q, k, v, q_lens, kv_lens, None, None, cfg,
+                            sinks=V.check_sinks(sinks, N))
   return (out, lse) if return_lse else out

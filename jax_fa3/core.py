@@ -62,8 +62,11 @@ class Config:
 
 
 def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
-              segment_ids=None):
-  """Validated 4-D inputs -> ``(out [B,T,N,H], lse f32 [B,N,T])``.
+              segment_ids=None, sinks=None):
+  """Validated 4-D inputs -> ``(out [B,T,N,Hv], lse f32 [B,N,T])``.
+
+  ``sinks``: None or float32 ``[N]``, each head's logit of a virtual key
+  with value 0 that joins every row's softmax (:func:`_with_sinks`).
 
   ``segment_ids``: None or ``(q_ids int32 [B,T], kv_ids int32 [B,S])``
   (packed sequences: query ``i`` sees key ``j`` only where the ids are
@@ -88,7 +91,7 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
     if cfg.ring is not None:
       raise ValueError("masks are not supported by ring attention")
     pairs, mask = pair_rule.from_mask(mask, k.shape[2], T, S), None
-  return _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg)
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg)
 
 
 def _local_fns(cfg):
@@ -141,27 +144,56 @@ def _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg):
       v_transposed=f.kernel, pairs=pairs)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg):
+def _with_sinks(out, lse, sinks):
+  """Folds the sinks into a finished softmax: with ``lse' = log(e^lse +
+  e^sink)`` every probability, hence ``out``, scales by ``e^(lse - lse')``.
+  A row that sees no key gets ``lse' = sink`` and stays 0.  The backward
+  needs nothing else: with ``(out', lse')`` the usual ``P`` and
+  ``delta = rowsum(dout * out')`` are those of the softmax with the sink
+  (whose value is 0), and ``dsink = -sum(P_sink * delta)``."""
+  if sinks is None:
+    return out, lse
+  s = sinks[None, :, None]
+  keys = jnp.where(jnp.isinf(lse), -jnp.inf, lse)  # +inf: no key
+  lse2 = jnp.logaddexp(keys, s)
+  scale = jnp.exp(keys - lse2)                      # [B, N, T]
+  out = (out * jnp.swapaxes(scale, 1, 2)[..., None]).astype(out.dtype)
+  return out, lse2
+
+
+def _dsinks(out, lse, dout, sinks):
+  """``dsink[n] = -sum over batch and rows of P_sink * rowsum(dout * out)``
+  (``out``/``lse`` with the sinks folded in)."""
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
+                     out.astype(jnp.float32))
+  p_sink = jnp.exp(sinks[None, :, None] - lse)
+  d = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
+  return reference.summed_like(d, sinks)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
   if cfg.fp8 is not None:
-    return _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg)
-  return _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg)
+    res = _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg)
+  else:
+    res = _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg)
+  return _with_sinks(*res, sinks)
 
 
-def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg):
+def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
   out, lse = _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs,
-                        cfg)
+                        sinks, cfg)
   saved = (None, None) if cfg.fp8 is not None else (out, lse)
   return (out, lse), (q, k, v, q_lens, kv_lens, bias, mask,
-                      pairs) + saved
+                      pairs, sinks) + saved
 
 
 def _vjp_bwd(cfg, res, cts):
-  q, k, v, q_lens, kv_lens, bias, mask, pairs, out, lse = res
+  q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, out, lse = res
   dout, _ = cts
   if cfg.fp8 is not None:
-    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs,
-                          cfg)
+    out, lse = _with_sinks(*_forward16(q, k, v, q_lens, kv_lens, bias, mask,
+                                       pairs, cfg), sinks)
   if cfg.ring is not None:
     dq, dk, dv = ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                                *_ring_args(cfg))
@@ -178,7 +210,8 @@ def _vjp_bwd(cfg, res, cts):
         q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
         block_k=cfg.block_k, **_seg_kwargs(pairs), **cfg.attrs)
   dseg = None if pairs is None else (None,) * len(pairs)
-  return dq, dk, dv, None, None, dbias, None, dseg
+  dsinks = None if sinks is None else _dsinks(out, lse, dout, sinks)
+  return dq, dk, dv, None, None, dbias, None, dseg, dsinks
 
 
 _attention.defvjp(_vjp_fwd, _vjp_bwd)

@@ -3,7 +3,8 @@
 This is both the CPU / non-sm90 fallback and the numerical ground truth for the
 CUDA kernels, so it implements *exactly* the kernel semantics:
 
-* ``q [B,T,N,H]``, ``k, v [B,S,K,H]`` with ``N % K == 0``; query head ``n`` uses
+* ``q [B,T,N,H]``, ``k [B,S,K,H]``, ``v [B,S,K,Hv]`` (``Hv`` may differ
+  from ``H``) with ``N % K == 0``; query head ``n`` uses
   kv head ``n // (N // K)`` (grouped-query attention, done through a
   ``[B,T,K,G,H]`` view of ``q`` -- K/V are never repeated).
 * Query row ``i`` of batch ``b`` attends key ``j`` iff ``i < q_lens[b]`` and
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_bwd_with_dbias",
-           "reference_attention", "varying_like"]
+           "reference_attention", "varying_like", "summed_like"]
 
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -75,6 +76,14 @@ def _vma(x):
   return frozenset(v or ())
 
 
+def summed_like(x, ref):
+  """``x`` summed over the manual mesh axes it varies over and ``ref`` does
+  not: the cotangent of a value replicated inside ``shard_map`` (e.g. a
+  per-head parameter shared by the sequence shards).  No-op elsewhere."""
+  extra = tuple(sorted(_vma(x) - _vma(ref), key=str))
+  return lax.psum(x, extra) if extra else x
+
+
 def varying_like(tree, *refs):
   """Types ``tree`` as varying over the manual mesh axes of ``refs``.
 
@@ -109,6 +118,7 @@ class _Setup:
                window_right, bias, mask, block_k, q_seg=None, kv_seg=None):
     B, T, N, H = q.shape
     _, S, K, _ = k.shape
+    self.Hv = v.shape[-1]  # may differ from H (value head dim)
     if N % K:
       raise ValueError(f"num query heads {N} not a multiple of kv heads {K}")
     self.B, self.T, self.N, self.H, self.S, self.K = B, T, N, H, S, K
@@ -200,7 +210,7 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   """
   st = _Setup(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
               window_right, bias, mask, block_k, q_segment_ids, kv_segment_ids)
-  B, T, K, G, H = st.B, st.T, st.K, st.G, st.H
+  B, T, K, G, Hv = st.B, st.T, st.K, st.G, st.Hv
 
   def body(carry, c):
     m, l, acc = carry
@@ -219,7 +229,7 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
 
   init = (jnp.full((B, K, G, T), -jnp.inf, _F32),
           jnp.zeros((B, K, G, T), _F32),
-          jnp.zeros((B, T, K, G, H), _F32))
+          jnp.zeros((B, T, K, G, Hv), _F32))
   init = varying_like(init, q, k, v, q_lens, kv_lens, bias, mask,
                       q_segment_ids, kv_segment_ids)
   (m, l, acc), _ = lax.scan(body, init, jnp.arange(st.n_chunks))
@@ -228,7 +238,7 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   lse = jnp.where(has, m + jnp.log(l_safe), jnp.inf)
   inv = jnp.where(has, 1.0 / l_safe, 0.0)
   out = acc * jnp.moveaxis(inv, 3, 1)[..., None]
-  out = out.reshape(q.shape).astype(q.dtype)
+  out = out.reshape(q.shape[:3] + (Hv,)).astype(q.dtype)
   return out, lse.reshape(B, st.N, T)
 
 
@@ -244,7 +254,7 @@ def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
   st = _Setup(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
               window_right, bias, mask, block_k, q_segment_ids, kv_segment_ids)
   B, T, N, K, G, H, S = st.B, st.T, st.N, st.K, st.G, st.H, st.S
-  dout_g = dout.reshape(B, T, K, G, H)
+  dout_g = dout.reshape(B, T, K, G, st.Hv)
   lse_g = lse.reshape(B, K, G, T).astype(_F32)
   delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1)  # [B,T,N]
   delta = jnp.transpose(delta, (0, 2, 1)).reshape(B, K, G, T)
@@ -288,8 +298,8 @@ def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,
   (dq, db_acc), (dk, dv, db_chunks) = lax.scan(body, init,
                                                jnp.arange(st.n_chunks))
 
-  def unchunk(x):  # [n,B,bk,K,H] -> [B,S,K,H]
-    x = jnp.moveaxis(x, 0, 1).reshape(B, st.n_chunks * st.bk, K, H)
+  def unchunk(x):  # [n,B,bk,K,h] -> [B,S,K,h]
+    x = jnp.moveaxis(x, 0, 1).reshape(B, st.n_chunks * st.bk, K, x.shape[-1])
     return x[:, :S]
 
   dq = dq.reshape(q.shape).astype(q.dtype)
