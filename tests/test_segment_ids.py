@@ -272,8 +272,9 @@ def test_kernels_get_ids_and_spans(monkeypatch, precision):
   monkeypatch.setattr(fp8, "fp8_kernel_blocker", lambda *a: None)
   seen = []
 
-  def spy(*a):
-    seen.append((a[-1], a[-2]))
+  def spy(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
+    seen.append((cfg, pairs))
+    a = (q,)
     return jnp.zeros(a[0].shape, a[0].dtype), None
   monkeypatch.setattr(core, "_attention", spy)
   q, k, v, _ = rand(14, B=1, T=16, S=16, N=2, K=2, H=16, dtype=jnp.bfloat16)
