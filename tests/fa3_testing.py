@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa3 import _native
+from jax_fa3.pair_rule import GRANULE as _GRANULE
 
 # float32 tolerance of the CPU tests (reference path vs jax.nn on XLA:CPU).
 RTOL = ATOL = 1e-5
@@ -50,9 +51,35 @@ def nn_attention(q, k, v, *a, **kw):
   return jax.nn.dot_product_attention(q, k, v, *a, implementation="xla", **kw)
 
 
+def row_spans_bruteforce(m):
+  """NumPy spans per granule of the rows of a bool [L, M] (the layout of
+  :mod:`jax_fa3.pair_rule`), by brute force."""
+  G, big = _GRANULE, 1 << 30
+  out = []
+  for g in range(-(-m.shape[0] // G)):
+    lo, hi, flo, fhi = big, -big, -big, big
+    for i in range(g * G, min(m.shape[0], (g + 1) * G)):
+      js = np.flatnonzero(m[i])
+      if len(js):
+        lo, hi = min(lo, js[0]), max(hi, js[-1] + 1)
+      run = len(js) > 0 and js[-1] - js[0] + 1 == len(js)
+      flo = max(flo, js[0] if run else big)
+      fhi = min(fhi, js[-1] + 1 if run else -big)
+    out.append((lo, hi, flo, fhi))
+  return np.array(out, np.int32)
+
+
 def close(a, b, rtol=RTOL, atol=ATOL):
   np.testing.assert_allclose(np.asarray(a, np.float32),
                              np.asarray(b, np.float32), rtol=rtol, atol=atol)
+
+
+def close_trees(got, want, rtol=RTOL, atol=ATOL):
+  """:func:`close` leaf by leaf over two pytrees of the same structure."""
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got) == len(want), (len(got), len(want))
+  for a, b in zip(got, want):
+    close(a, b, rtol=rtol, atol=atol)
 
 
 # ------------------------------------------------------- compiled kernels

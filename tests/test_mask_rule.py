@@ -10,26 +10,9 @@ import jax.numpy as jnp
 import jax_fa3
 from jax_fa3 import pair_rule
 
-from fa3_testing import close, rand
+from fa3_testing import close, close_trees, rand, row_spans_bruteforce
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
-
-
-def _row_spans_bruteforce(m):
-  """NumPy spans per granule of the rows of a bool [L, M]."""
-  G, big = pair_rule.GRANULE, 1 << 30
-  out = []
-  for g in range(-(-m.shape[0] // G)):
-    lo, hi, flo, fhi = big, -big, -big, big
-    for i in range(g * G, min(m.shape[0], (g + 1) * G)):
-      js = np.flatnonzero(m[i])
-      if len(js):
-        lo, hi = min(lo, js[0]), max(hi, js[-1] + 1)
-      run = len(js) > 0 and js[-1] - js[0] + 1 == len(js)
-      flo = max(flo, js[0] if run else big)
-      fhi = min(fhi, js[-1] + 1 if run else -big)
-    out.append((lo, hi, flo, fhi))
-  return np.array(out, np.int32)
 
 
 def _masks(rng, B, N, T, S):
@@ -85,12 +68,12 @@ def test_mask_spans_and_packing(kind):
   assert kv_spans.shape == (mb, mk, -(-S // 16), 4)
   for x in range(mb):
     for h in range(mn):
-      np.testing.assert_array_equal(q_spans[x, h], _row_spans_bruteforce(m[x, h]))
+      np.testing.assert_array_equal(q_spans[x, h], row_spans_bruteforce(m[x, h]))
     for kh in range(mk):
       # A kv head's key spans cover its query heads: the union of their
       # visible rows, the intersection of their full ranges.
       heads = range(kh * (mn // mk), (kh + 1) * (mn // mk))
-      per = [_row_spans_bruteforce(m[x, h].T) for h in heads]
+      per = [row_spans_bruteforce(m[x, h].T) for h in heads]
       want = np.stack([np.min([p[:, 0] for p in per], 0),
                        np.max([p[:, 1] for p in per], 0),
                        np.max([p[:, 2] for p in per], 0),
@@ -126,11 +109,7 @@ def test_primitive_path_equals_reference(monkeypatch, kind):
       q, k, v, mask=m, implementation="fa3"))(q, k, v, mask))
   assert "fa3_fwd" in jaxpr or "custom_partitioning" in jaxpr or "custom_vmap" in jaxpr
   got, got_v = run("fa3")
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    close(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
-          atol=2e-2)
-  close(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32),
-        rtol=2e-2, atol=2e-2)
+  close_trees((got, got_v), (want, want_v), rtol=2e-2, atol=2e-2)
 
 
 def test_bias_still_names_itself(monkeypatch):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jax_fa3
 from jax_fa3 import _validate as V, fp8, reference as R, pair_rule
 
-from fa3_testing import close, rand
+from fa3_testing import close, close_trees, rand, row_spans_bruteforce
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
@@ -290,19 +290,7 @@ def test_kernels_get_ids_and_spans(monkeypatch, precision):
 
 def _spans_bruteforce(a, b):
   """NumPy spans of ``a``'s granules in ``b`` (jax_fa3.pair_rule doc)."""
-  G, big = pair_rule.GRANULE, 1 << 30
-  out = []
-  for g in range(-(-len(a) // G)):
-    lo, hi, flo, fhi = big, -big, -big, big
-    for i in range(g * G, min(len(a), (g + 1) * G)):
-      js = np.flatnonzero(b == a[i])
-      if len(js):
-        lo, hi = min(lo, js[0]), max(hi, js[-1] + 1)
-      run = len(js) > 0 and js[-1] - js[0] + 1 == len(js)
-      flo = max(flo, js[0] if run else big)
-      fhi = min(fhi, js[-1] + 1 if run else -big)
-    out.append((lo, hi, flo, fhi))
-  return np.array(out, np.int32)
+  return row_spans_bruteforce(np.asarray(a)[:, None] == np.asarray(b)[None, :])
 
 
 @pytest.mark.parametrize("kind", ["packed", "random", "cross", "one"])
@@ -350,11 +338,7 @@ def test_primitive_path_on_cpu(monkeypatch, causal):
           q, k, v, ids).as_text()
   assert "searchsorted" in hlo or "sort" in hlo  # the spans pre-pass ran
   got, got_v = run("fa3")
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    close(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
-          atol=2e-2)
-  close(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32),
-        rtol=2e-2, atol=2e-2)
+  close_trees((got, got_v), (want, want_v), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("path", ["reference", "kernel"])
