@@ -46,7 +46,9 @@ for stage in "$@"; do
            done; } > "$OUT/build.log" 2>&1
       b=$?; tail -5 "$OUT/build.log"; grep -iE "error|spill" "$OUT/build.log" | head -20; (exit $b) ;;
     pack)  # the built .so files and drivers in one tarball, to reuse them elsewhere
-      tar czf "$OUT/build_so.tgz" jax_fa3/*.so build-dev/jax_fa3_*_check && ls -la "$OUT/build_so.tgz" ;;
+      # (the drivers load build-dev/libjax_fa3_kernels.so: it travels too)
+      tar czf "$OUT/build_so.tgz" jax_fa3/*.so build-dev/jax_fa3_*_check build-dev/libjax_fa3_kernels.so \
+        && ls -la "$OUT/build_so.tgz" ;;
     demo) python3 -m jax_fa3.demo --plot "$OUT/demo_loss.png" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" ;;  # DEMO_ARGS="--attention fa3,cudnn"
     tests) python3 -m pytest -q -m gpu tests ${TEST_ARGS:-} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     gputests)  # each GPU test file on its own, time-boxed (a hung kernel costs one file, not the run)
@@ -55,7 +57,10 @@ for stage in "$@"; do
           ${TEST_ARGS:-} > "$OUT/t_$f.log" 2>&1
         echo "$f rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/t_$f.log" | head -${TEST_LINES:-12}
       done ;;
-    alltests) python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$OUT/alltests.log" | tail -40 ;;
+    alltests)  # the README's test command; SUITE_PART="gpu", then "not gpu", splits it in two
+      # (the whole suite runs longer than one 10-minute device call)
+      python3 -m pytest -q tests -p no:cacheprovider ${SUITE_PART:+-m "$SUITE_PART"} 2>&1 \
+        | tee "$OUT/alltests${SUITE_PART:+_${SUITE_PART// /_}}.log" | tail -40 ;;
     check)  # forward kernels vs a float64 host reference, without XLA (cc/tools/fwd_check.cc)
       { $FWD_CHECK --hdims 64,96,128,192,256 && $FWD_CHECK --dtype fp16 --hdims 64,128,256 \
         && $FWD_CHECK --hdims 64 --variant m192 && $FWD_CHECK --dtype fp16 --hdims 64 --variant m192; } \
