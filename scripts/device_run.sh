@@ -117,6 +117,9 @@ for stage in "$@"; do
     packed)  # packed documents (segment ids) vs the documents one by one and the FA3 varlen kernel
       timeout ${PACKED_TIMEOUT:-300} python3 benchmarks/packed_bench.py --out "$OUT/packed" ${PACKED_ARGS:-} 2>&1 \
         | tee "$OUT/packed.log" | tail -25 ;;
+    decode)  # KV-cache decode: K/V read bandwidth against a device copy, the FA3 KV-cache kernel, cuDNN
+      timeout ${DECODE_TIMEOUT:-400} python3 benchmarks/decode_bench.py --out "$OUT/decode" ${DECODE_ARGS:-} 2>&1 \
+        | tee "$OUT/decode.log" | tail -40 ;;
     peers)  # the sweep and the real-model shapes against cuDNN, Dao-AILab FA3 and tokamax (carried wheels)
       env -u XLA_PYTHON_CLIENT_PREALLOCATE python3 benchmarks/bench.py --shapes all --impls ${PEERS_IMPLS:-fa3,cudnn,fa3ref,tokamax} \
         --seqlens 1024,2048,4096,8192,16384 --markdown --out "$OUT/peers" ${PEERS_ARGS:-} 2>&1 \

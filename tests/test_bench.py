@@ -119,3 +119,34 @@ def test_ncu_regions_groups_by_execution_count(tmp_path, capsys):
   assert "barrier:30.0" in regions[0] and "BRAx1" in regions[0]
   assert "wait:55.0" in regions[1] and "MUFUx1" in regions[1]
   assert "MUFU.EX2" in out.split("hottest")[1]
+
+
+def _decode_bench():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  spec = importlib.util.spec_from_file_location("decode_bench", ROOT / "benchmarks" / "decode_bench.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_decode_bench_pages_points_and_check(cpu_backend):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  d = _decode_bench()
+  assert d.parse_points("1x131072,64X4096") == [(1, 131072), (64, 4096)]
+  assert d.kv_bytes(2, 1000, 8, 128) == 2 * 2 * 1000 * 8 * 128 * 2
+  # The pool the shuffled table addresses holds every row's tokens in order.
+  table, _ = d.paged_layout(3, 150, 64, seed=1)
+  assert table.shape == (3, 3) and sorted(table.reshape(-1)) == list(range(9))
+  cache = jax.random.normal(jax.random.key(0), (3, 150, 2, 4))
+  pool = d.to_pages(cache, table, 64)
+  pos = np.arange(150)
+  for b in range(3):
+    np.testing.assert_array_equal(pool[table[b, pos // 64], pos % 64], cache[b])
+  # The check passes the reference itself and rejects a wrong answer.
+  args = d.make_point(jax.random.key(2), 2, 100, 3, 4, 2, 16, 64)
+  assert d.check("ref", lambda q, k, v, lens, *_: d.reference(q, k, v, lens), args) is None
+  wrong = lambda q, k, v, lens, *_: d.reference(q, k, v, lens - 1)  # noqa: E731
+  assert d.check("wrong", wrong, args) is not None
+  assert d.check("pure JAX", d._impls(["jax_fa3_paged"], 64)["jax_fa3_paged"], args) is None

@@ -1,0 +1,250 @@
+"""KV-cache attention for decoding: achieved K/V read bandwidth against the
+device's copy bandwidth, and peers on the same caches.
+
+Implementations (each checked against a float32 reference on a reduced copy
+of the point before it is timed; one that computes the wrong thing is
+reported, not timed):
+
+* ``jax_fa3``: ``jax_fa3.attention_with_kvcache`` (contiguous cache), and
+  ``jax_fa3_paged`` (the same cache in pages of ``--page-size`` through a
+  shuffled page table);
+* ``fa3ref``: the Dao-AILab FA3 KV-cache kernel
+  (``flash_attn3_jax.kvcache.flash_mha_with_kvcache``), when importable;
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with
+  ``key_value_seq_lengths`` (decode only: jax.nn has no bottom-right causal
+  mask for Tq > 1).
+
+Every row of the cache holds ``L`` valid tokens; ``Tq`` queries sit at the
+last positions (bottom-right causal).  Bandwidth counts the K and V bytes
+read once (``2 B L K H`` elements); the reference is a device copy of
+``--copy-gib`` (read + write).  Timing: ``burst`` (20 back-to-back calls)
+and ``steady`` (runs of >= 100 ms), interleaved over the implementations,
+``--reps`` times; the table shows the median and the spread (min-max).
+
+  python3 benchmarks/decode_bench.py --out /tmp/decode
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+REGIMES = {"burst": dict(min_run_s=1e9, max_iters=20),
+           "steady": dict(min_run_s=0.1, max_iters=100000)}
+# batch x cache length, 1 x 128k to 64 x 4k (>= 256k tokens but the first).
+DEFAULT_POINTS = "1x131072,2x131072,8x32768,16x16384,32x8192,64x4096"
+
+
+def parse_points(text):
+  """'1x131072,64x4096' -> [(1, 131072), (64, 4096)]."""
+  out = []
+  for item in text.split(","):
+    b, l = item.lower().split("x")
+    out.append((int(b), int(l)))
+  return out
+
+
+def kv_bytes(batch, length, kv_heads, hdim, itemsize=2):
+  """Bytes of K and V a decode step must read once."""
+  return 2 * batch * length * kv_heads * hdim * itemsize
+
+
+def paged_layout(batch, length, page_size, seed=0):
+  """(page_table int32 [B, pages], inverse permutation): the rows' pages in
+  a shuffled pool, so consecutive pages of a row are not adjacent."""
+  per = -(-length // page_size)
+  perm = np.random.default_rng(seed).permutation(batch * per).astype(np.int32)
+  return perm.reshape(batch, per), np.argsort(perm)
+
+
+def to_pages(cache, table, page_size):
+  """Contiguous ``[B, L, K, H]`` -> the pool ``[pages, page_size, K, H]``
+  that ``table`` addresses."""
+  import jax.numpy as jnp
+  B, L = cache.shape[:2]
+  per = table.shape[1]
+  c = jnp.pad(cache, [(0, 0), (0, per * page_size - L), (0, 0), (0, 0)])
+  c = c.reshape((B * per, page_size) + cache.shape[2:])
+  pool = jnp.zeros_like(c)
+  return pool.at[jnp.asarray(table.reshape(-1))].set(c)
+
+
+def reference(q, k, v, lens):
+  """float32 bottom-right causal attention over the first ``lens[b]`` keys."""
+  import jax
+  import jax.numpy as jnp
+  B, Tq, N, H = q.shape
+  L, K = k.shape[1], k.shape[2]
+  g = N // K
+  kf = jnp.repeat(k.astype(jnp.float32), g, axis=2)
+  vf = jnp.repeat(v.astype(jnp.float32), g, axis=2)
+  with jax.default_matmul_precision("highest"):
+    s = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), kf) / np.sqrt(H)
+    qpos = lens[:, None] - Tq + jnp.arange(Tq)[None]
+    j = jnp.arange(L)[None, None]
+    vis = (j < lens[:, None, None]) & (j <= qpos[..., None])
+    s = jnp.where(vis[:, None], s, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), vf)
+
+
+def _impls(names, page_size):
+  """name -> fn(q, k_cache, v_cache, lens, table, pool_k, pool_v)."""
+  import jax
+  jax_fa3 = bench._import_jax_fa3()
+  impls = {}
+  if "jax_fa3" in names:
+    impls["jax_fa3"] = lambda q, k, v, lens, t, pk, pv: jax_fa3.attention_with_kvcache(
+        q, k, v, lens)
+  if "jax_fa3_paged" in names:
+    impls["jax_fa3_paged"] = lambda q, k, v, lens, t, pk, pv: jax_fa3.attention_with_kvcache(
+        q, pk, pv, lens, page_table=t)
+  if "fa3ref" in names:
+    try:
+      from flash_attn3_jax.kvcache import flash_mha_with_kvcache
+      impls["fa3ref"] = lambda q, k, v, lens, t, pk, pv: flash_mha_with_kvcache(
+          q, k, v, cache_seqlens=lens, is_causal=True)
+    except ImportError:
+      pass
+  if "cudnn" in names:
+    impls["cudnn"] = lambda q, k, v, lens, t, pk, pv: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lens, implementation="cudnn")
+  return impls
+
+
+def make_point(key, batch, length, tq, heads, kv_heads, hdim, page_size):
+  import jax
+  import jax.numpy as jnp
+  ks = jax.random.split(key, 3)
+  q = jax.random.normal(ks[0], (batch, tq, heads, hdim), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (batch, length, kv_heads, hdim), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (batch, length, kv_heads, hdim), jnp.float32).astype(jnp.bfloat16)
+  lens = jnp.full((batch,), length, jnp.int32)
+  table, _ = paged_layout(batch, length, page_size)
+  pk, pv = to_pages(k, table, page_size), to_pages(v, table, page_size)
+  return (q, k, v, lens, jnp.asarray(table), pk, pv)
+
+
+def check(name, fn, args):
+  """None if ``fn`` matches the float32 reference within 2x a bf16 XLA
+  computation's error + 4e-3, else why not."""
+  import jax
+  import jax.numpy as jnp
+  q, k, v, lens = args[:4]
+  try:
+    got = np.asarray(jax.jit(fn)(*args), np.float32)
+  except Exception as e:  # noqa: BLE001 - report, do not time
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+  ref = np.asarray(reference(q, k, v, lens), np.float32)
+  same = np.asarray(reference(q, k, v, lens).astype(jnp.bfloat16), np.float32)
+  err, base = np.abs(got - ref).max(), np.abs(same - ref).max()
+  if not np.isfinite(got).all() or err > 2 * base + 4e-3:
+    return f"error {err:.3g} > {2 * base + 4e-3:.3g}"
+  return None
+
+
+def copy_bandwidth(gib, reps):
+  """Device copy bandwidth (bytes/s): the best of ``reps`` timed runs of
+  ``x + 1`` over ``gib`` GiB of bf16 (read + write)."""
+  import jax
+  import jax.numpy as jnp
+  n = int(gib * 2 ** 30) // 2
+  x = jnp.zeros((n,), jnp.bfloat16)
+  t = bench.RunTimer(jax.jit(lambda x: x + 1), [(x,)], warmup=2, min_run_s=0.1,
+                     max_iters=1000)
+  best = min(t.run() for _ in range(reps))
+  return 2 * n * 2 / best
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--points", default=DEFAULT_POINTS, help="batch x cache length list")
+  ap.add_argument("--tq", default="1", help="query counts, e.g. 1,4,8 (verification)")
+  ap.add_argument("--heads", type=int, default=32)
+  ap.add_argument("--kv-heads", type=int, default=8)
+  ap.add_argument("--hdim", type=int, default=128)
+  ap.add_argument("--page-size", type=int, default=64)
+  ap.add_argument("--impls", default="jax_fa3,jax_fa3_paged,fa3ref,cudnn")
+  ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--copy-gib", type=float, default=4.0)
+  ap.add_argument("--check-tokens", type=int, default=4096,
+                  help="cache length of the reduced copy each impl is checked on")
+  ap.add_argument("--out", default=None, help="folder for the table and plot")
+  a = ap.parse_args(argv)
+  import jax
+  env = bench.environment()
+  print(bench.header_line(env))
+  copy_bw = copy_bandwidth(a.copy_gib, a.reps)
+  print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s ({a.copy_gib} GiB, read + write)")
+  impls = _impls(a.impls.split(","), a.page_size)
+  rows = []
+  for tq in (int(x) for x in a.tq.split(",")):
+    for batch, length in parse_points(a.points):
+      small = make_point(jax.random.key(1), min(batch, 2), min(length, a.check_tokens), tq,
+                         a.heads, a.kv_heads, a.hdim, a.page_size)
+      args = make_point(jax.random.key(0), batch, length, tq, a.heads, a.kv_heads,
+                        a.hdim, a.page_size)
+      timers, status = {}, {}
+      for name, fn in impls.items():
+        why = "n/a: Tq > 1" if name == "cudnn" and tq > 1 else check(name, fn, small)
+        status[name] = why or "ok"
+        if why:
+          print(f"{batch}x{length} tq={tq} {name}: not timed ({why})")
+          continue
+        f = jax.jit(fn)
+        for regime, kw in REGIMES.items():
+          timers[(name, regime)] = bench.RunTimer(f, [args], warmup=2, **kw)
+      times = {key: [] for key in timers}
+      for _ in range(a.reps):  # interleaved repetitions
+        for key, t in timers.items():
+          times[key].append(t.run())
+      nbytes = kv_bytes(batch, length, a.kv_heads, a.hdim)
+      for (name, regime), ts in times.items():
+        ms = statistics.median(ts) * 1e3
+        bw = nbytes / (ms * 1e-3)
+        rows.append(dict(impl=name, batch=batch, length=length, tq=tq, regime=regime, ms=ms,
+                         lo=min(ts) * 1e3, hi=max(ts) * 1e3, gbs=bw / 1e9,
+                         of_copy=bw / copy_bw, tokens=batch * length))
+      del args
+  ref_ms = {(r["batch"], r["length"], r["tq"], r["regime"]): r["ms"]
+            for r in rows if r["impl"] == "fa3ref"}
+  lines = ["| impl | B x L | Tq | regime | ms (median) | spread | K/V GB/s | of copy BW | vs fa3ref |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    key = (r["batch"], r["length"], r["tq"], r["regime"])
+    rel = f"{ref_ms[key] / r['ms']:.2f}x" if key in ref_ms else ""
+    lines.append(f"| {r['impl']} | {r['batch']}x{r['length']} | {r['tq']} | {r['regime']} | "
+                 f"{r['ms']:.4f} | {r['lo']:.4f}-{r['hi']:.4f} | {r['gbs']:.0f} | "
+                 f"{r['of_copy'] * 100:.0f}% | {rel} |")
+  table = "\n".join(lines)
+  print(table)
+  if a.out:
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "decode_bench.md"), "w") as fh:
+      fh.write(bench.header_line(env) + f"\n\ncopy bandwidth {copy_bw / 1e9:.0f} GB/s\n\n"
+               + table + "\n")
+    plt = bench.pyplot()
+    if plt is not None and rows:
+      fig, ax = plt.subplots(figsize=(7, 4))
+      for name in dict.fromkeys(r["impl"] for r in rows):
+        pts = sorted((r["length"], r["gbs"]) for r in rows
+                     if r["impl"] == name and r["regime"] == "steady" and r["tq"] == 1)
+        if pts:
+          ax.plot(*zip(*pts), marker="o", label=name)
+      ax.axhline(copy_bw / 1e9, color="gray", ls="--", label="device copy")
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("cache length per row (batch x length: --points)")
+      ax.set_ylabel("K/V read GB/s (steady)")
+      ax.legend()
+      bench.save_figure(plt, fig, os.path.join(a.out, "decode_bench.png"),
+                        f"decode, {a.heads}/{a.kv_heads} heads, d{a.hdim}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
