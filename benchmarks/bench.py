@@ -588,6 +588,35 @@ def time_fn(fn, arg_sets, *, warmup: int, repeats: int, min_run_s: float,
   return (min(runs) if stat == "min" else statistics.median(runs)), timer.iters
 
 
+# The two timing regimes of the side benchmarks (packed_bench.py,
+# decode_bench.py): one run of 20 back-to-back calls, and runs of >= 100 ms.
+REGIMES = {"burst": dict(min_run_s=1e9, max_iters=20),
+           "steady": dict(min_run_s=0.1, max_iters=100000)}
+
+
+def regime_timers(key: tuple, fn, arg_sets, warmup: int = 2) -> dict:
+  """``{key + (regime,): RunTimer}`` for each of :data:`REGIMES`."""
+  return {key + (regime,): RunTimer(fn, arg_sets, warmup=warmup, **kw)
+          for regime, kw in REGIMES.items()}
+
+
+def interleaved_times(timers: dict, reps: int) -> dict:
+  """``{key: [s per call, one per repetition]}``: every timer runs once per
+  repetition, in turn, so a clock drift hits all of them alike."""
+  times = {key: [] for key in timers}
+  for _ in range(reps):
+    for key, t in timers.items():
+      times[key].append(t.run())
+  return times
+
+
+def write_markdown(out: str, name: str, env: dict, body: str) -> None:
+  """``out/name``: the environment line, then ``body``."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, name), "w") as fh:
+    fh.write(header_line(env) + "\n\n" + body + "\n")
+
+
 def _classify(e: BaseException) -> str | None:
   """Skip reason for expected failures, None for unexpected ones."""
   msg = str(e)

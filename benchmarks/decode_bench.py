@@ -35,8 +35,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 
-REGIMES = {"burst": dict(min_run_s=1e9, max_iters=20),
-           "steady": dict(min_run_s=0.1, max_iters=100000)}
 # batch x cache length, 1 x 128k to 64 x 4k (>= 256k tokens but the first).
 DEFAULT_POINTS = "1x131072,2x131072,8x32768,16x16384,32x8192,64x4096"
 
@@ -131,8 +129,8 @@ def make_point(key, batch, length, tq, heads, kv_heads, hdim, page_size):
 
 
 def check(name, fn, args):
-  """None if ``fn`` matches the float32 reference within 2x a bf16 XLA
-  computation's error + 4e-3, else why not."""
+  """None if ``fn`` matches the float32 reference within 2x the reference's
+  own bf16 rounding + 4e-3, else why not."""
   import jax
   import jax.numpy as jnp
   q, k, v, lens = args[:4]
@@ -140,8 +138,9 @@ def check(name, fn, args):
     got = np.asarray(jax.jit(fn)(*args), np.float32)
   except Exception as e:  # noqa: BLE001 - report, do not time
     return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-  ref = np.asarray(reference(q, k, v, lens), np.float32)
-  same = np.asarray(reference(q, k, v, lens).astype(jnp.bfloat16), np.float32)
+  exact = reference(q, k, v, lens)
+  ref = np.asarray(exact, np.float32)
+  same = np.asarray(exact.astype(jnp.bfloat16), np.float32)
   err, base = np.abs(got - ref).max(), np.abs(same - ref).max()
   if not np.isfinite(got).all() or err > 2 * base + 4e-3:
     return f"error {err:.3g} > {2 * base + 4e-3:.3g}"
@@ -196,13 +195,8 @@ def main(argv=None):
         if why:
           print(f"{batch}x{length} tq={tq} {name}: not timed ({why})")
           continue
-        f = jax.jit(fn)
-        for regime, kw in REGIMES.items():
-          timers[(name, regime)] = bench.RunTimer(f, [args], warmup=2, **kw)
-      times = {key: [] for key in timers}
-      for _ in range(a.reps):  # interleaved repetitions
-        for key, t in timers.items():
-          times[key].append(t.run())
+        timers.update(bench.regime_timers((name,), jax.jit(fn), [args]))
+      times = bench.interleaved_times(timers, a.reps)
       nbytes = kv_bytes(batch, length, a.kv_heads, a.hdim)
       for (name, regime), ts in times.items():
         ms = statistics.median(ts) * 1e3
@@ -224,10 +218,8 @@ def main(argv=None):
   table = "\n".join(lines)
   print(table)
   if a.out:
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "decode_bench.md"), "w") as fh:
-      fh.write(bench.header_line(env) + f"\n\ncopy bandwidth {copy_bw / 1e9:.0f} GB/s\n\n"
-               + table + "\n")
+    bench.write_markdown(a.out, "decode_bench.md", env,
+                         f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n\n{table}")
     plt = bench.pyplot()
     if plt is not None and rows:
       fig, ax = plt.subplots(figsize=(7, 4))

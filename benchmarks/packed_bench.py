@@ -32,8 +32,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 
-REGIMES = {"burst": dict(min_run_s=1e9, max_iters=20),
-           "steady": dict(min_run_s=0.1, max_iters=100000)}
 
 
 def doc_lengths(seed, total, n_docs):
@@ -173,19 +171,15 @@ def main(argv=None):
     if why:
       print(f"{name}: not timed ({why})")
       continue
-    for regime, kw in REGIMES.items():
-      timers[(name, "fwd", regime)] = bench.RunTimer(fwd, [args[:3] + extra], warmup=2, **kw)
-      timers[(name, "fwd+bwd", regime)] = bench.RunTimer(fb, [args + extra], warmup=2, **kw)
-  times = {key: [] for key in timers}
-  for _ in range(a.reps):  # interleaved repetitions
-    for key, t in timers.items():
-      times[key].append(t.run())
+    timers.update(bench.regime_timers((name, "fwd"), fwd, [args[:3] + extra]))
+    timers.update(bench.regime_timers((name, "fwd+bwd"), fb, [args + extra]))
+  times = bench.interleaved_times(timers, a.reps)
   flops = useful_flops(lens, a.heads, a.hdim, causal)
   rows = []
   for name in impls:
     if status[name] != "ok":
       continue
-    for regime in REGIMES:
+    for regime in bench.REGIMES:
       f = times[(name, "fwd", regime)]
       fb = times[(name, "fwd+bwd", regime)]
       b = [x - y for x, y in zip(fb, f)]
@@ -202,9 +196,7 @@ def main(argv=None):
   table = "\n".join(lines)
   print(table)
   if a.out:
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "packed_bench.md"), "w") as fh:
-      fh.write(bench.header_line(env) + "\n\n" + table + "\n")
+    bench.write_markdown(a.out, "packed_bench.md", env, table)
     plt = bench.pyplot()
     if plt is not None:
       fig, ax = plt.subplots(figsize=(7, 4))
