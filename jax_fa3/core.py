@@ -66,7 +66,7 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
   """Validated 4-D inputs -> ``(out [B,T,N,Hv], lse f32 [B,N,T])``.
 
   ``sinks``: None or float32 ``[N]``, each head's logit of a virtual key
-  with value 0 that joins every row's softmax (:func:`_with_sinks`).
+  with value 0 that joins every row's softmax (:func:`reference.fold_sinks`).
 
   ``segment_ids``: None or ``(q_ids int32 [B,T], kv_ids int32 [B,S])``
   (packed sequences: query ``i`` sees key ``j`` only where the ids are
@@ -115,21 +115,24 @@ def _seg_kwargs(pairs):
   return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
 
-def _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg):
+def _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
+  """``(out, lse)`` with the sinks in the softmax (the kernel adds them to
+  the row sums; the ring and the reference fold them in afterwards)."""
   if cfg.kernel_error is not None:
     raise ValueError(f"implementation='fa3' is not possible: "
                      f"{cfg.kernel_error}")
   if cfg.ring is not None:
-    return ring.ring_fwd(q, k, v, q_lens, kv_lens, *_ring_args(cfg))
+    return reference.fold_sinks(
+        *ring.ring_fwd(q, k, v, q_lens, kv_lens, *_ring_args(cfg)), sinks)
   if cfg.kernel:
     # The primitives' abstract eval drops shard_map's varying-axes type;
     # restore it so check_vma=True accepts results and cotangent types.
     return reference.varying_like(sharding.fa3_fwd(
-        q, k, v, q_lens, kv_lens, pairs=pairs, **cfg.attrs),
+        q, k, v, q_lens, kv_lens, pairs=pairs, sinks=sinks, **cfg.attrs),
         q, k, v, q_lens, kv_lens)
-  return reference.attention_fwd(q, k, v, q_lens, kv_lens, bias=bias,
-                                 mask=mask, block_k=cfg.block_k,
-                                 **_seg_kwargs(pairs), **cfg.attrs)
+  return reference.fold_sinks(*reference.attention_fwd(
+      q, k, v, q_lens, kv_lens, bias=bias, mask=mask, block_k=cfg.block_k,
+      **_seg_kwargs(pairs), **cfg.attrs), sinks)
 
 
 def _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg):
@@ -142,23 +145,6 @@ def _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg):
       q8, k8, v8, qs, ks, vs, q_lens, kv_lens, cfg.scale, cfg.window_left,
       cfg.window_right, q.dtype, "fa3" if f.kernel else "reference",
       v_transposed=f.kernel, pairs=pairs)
-
-
-def _with_sinks(out, lse, sinks):
-  """Folds the sinks into a finished softmax: with ``lse' = log(e^lse +
-  e^sink)`` every probability, hence ``out``, scales by ``e^(lse - lse')``.
-  A row that sees no key gets ``lse' = sink`` and stays 0.  The backward
-  needs nothing else: with ``(out', lse')`` the usual ``P`` and
-  ``delta = rowsum(dout * out')`` are those of the softmax with the sink
-  (whose value is 0), and ``dsink = -sum(P_sink * delta)``."""
-  if sinks is None:
-    return out, lse
-  s = sinks[None, :, None]
-  keys = jnp.where(jnp.isinf(lse), -jnp.inf, lse)  # +inf: no key
-  lse2 = jnp.logaddexp(keys, s)
-  scale = jnp.exp(keys - lse2)                      # [B, N, T]
-  out = (out * jnp.swapaxes(scale, 1, 2)[..., None]).astype(out.dtype)
-  return out, lse2
 
 
 def _dsinks(out, lse, dout, sinks):
@@ -174,10 +160,9 @@ def _dsinks(out, lse, dout, sinks):
 @partial(jax.custom_vjp, nondiff_argnums=(9,))
 def _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
   if cfg.fp8 is not None:
-    res = _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg)
-  else:
-    res = _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, cfg)
-  return _with_sinks(*res, sinks)
+    return reference.fold_sinks(
+        *_forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg), sinks)
+  return _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg)
 
 
 def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
@@ -192,8 +177,8 @@ def _vjp_bwd(cfg, res, cts):
   q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, out, lse = res
   dout, _ = cts
   if cfg.fp8 is not None:
-    out, lse = _with_sinks(*_forward16(q, k, v, q_lens, kv_lens, bias, mask,
-                                       pairs, cfg), sinks)
+    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs,
+                          sinks, cfg)
   if cfg.ring is not None:
     dq, dk, dv = ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                                *_ring_args(cfg))

@@ -35,7 +35,7 @@ from jax.interpreters import batching, mlir
 from jax_fa3 import _native, reference, pair_rule
 
 __all__ = ["fa3_fwd_p", "fa3_bwd_p", "fp8_quantize_p", "fp8_fwd_p",
-           "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd", "fold_vmap",
+           "fa3_fwd", "fa3_bwd", "no_sinks", "fp8_quantize", "fp8_fwd", "fold_vmap",
            "bwd_kernel_available", "FWD_TARGET", "BWD_TARGET",
            "FP8_QUANT_TARGET", "FP8_FWD_TARGET"]
 
@@ -67,12 +67,20 @@ def _segs(pairs, batch):
   return pair_rule.absent(batch) if pairs is None else tuple(pairs)
 
 
+def no_sinks():
+  """The sinks operand of a call without sinks (an empty array)."""
+  return jnp.zeros((0,), _F32)
+
+
 def fa3_fwd(q, k, v, q_lens, kv_lens, pairs=None, *, scale, softcap=0.0,
-            window_left=-1, window_right=-1):
+            window_left=-1, window_right=-1, sinks=None):
   """``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``; ``pairs``: the segment
-  operands (:func:`jax_fa3.pair_rule.from_segment_ids`) or None."""
+  operands (:func:`jax_fa3.pair_rule.from_segment_ids`) or None; ``sinks``:
+  float32 ``[N]`` joining every row's softmax (:func:`reference.fold_sinks`)
+  or None."""
   return tuple(fa3_fwd_p.bind(
-      q, k, v, q_lens, kv_lens, *_segs(pairs, q.shape[0]), scale=float(scale),
+      q, k, v, q_lens, kv_lens, *_segs(pairs, q.shape[0]),
+      no_sinks() if sinks is None else sinks, scale=float(scale),
       softcap=float(softcap),
       window_left=int(window_left), window_right=int(window_right)))
 
@@ -230,9 +238,11 @@ def _rule_kwargs(pairs, q, k):
   return pair_rule.reference_kwargs(pairs, q.shape[1], k.shape[1])
 
 
-def _reference_fwd(q, k, v, q_lens, kv_lens, *pairs, **attrs):
-  return reference.attention_fwd(q, k, v, q_lens, kv_lens,
-                                 **_rule_kwargs(pairs, q, k), **attrs)
+def _reference_fwd(q, k, v, q_lens, kv_lens, *pairs_sinks, **attrs):
+  *pairs, sinks = pairs_sinks
+  res = reference.attention_fwd(q, k, v, q_lens, kv_lens,
+                                **_rule_kwargs(pairs, q, k), **attrs)
+  return reference.fold_sinks(*res, sinks if sinks.shape[0] else None)
 
 
 def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs,
@@ -298,7 +308,7 @@ def _batch_rule(prim, n_per_batch=None):
   return rule
 
 
-batching.primitive_batchers[fa3_fwd_p] = _batch_rule(fa3_fwd_p)
+batching.primitive_batchers[fa3_fwd_p] = _batch_rule(fa3_fwd_p, 9)  # sinks shared
 batching.primitive_batchers[fa3_bwd_p] = _batch_rule(fa3_bwd_p)
 batching.primitive_batchers[fp8_quantize_p] = _batch_rule(fp8_quantize_p, 3)
 batching.primitive_batchers[fp8_fwd_p] = _batch_rule(fp8_fwd_p)

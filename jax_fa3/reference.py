@@ -187,6 +187,23 @@ class _Setup:
     return s, t
 
 
+def fold_sinks(out, lse, sinks):
+  """Folds the sinks into a finished softmax: with ``lse' = log(e^lse +
+  e^sink)`` every probability, hence ``out``, scales by ``e^(lse - lse')``.
+  A row that sees no key gets ``lse' = sink`` and stays 0.  The backward
+  needs nothing else: with ``(out', lse')`` the usual ``P`` and
+  ``delta = rowsum(dout * out')`` are those of the softmax with the sink
+  (whose value is 0), and ``dsink = -sum(P_sink * delta)``."""
+  if sinks is None:
+    return out, lse
+  s = sinks[None, :, None]
+  keys = jnp.where(jnp.isinf(lse), -jnp.inf, lse)  # +inf: no key
+  lse2 = jnp.logaddexp(keys, s)
+  scale = jnp.exp(keys - lse2)                      # [B, N, T]
+  out = (out * jnp.swapaxes(scale, 1, 2)[..., None]).astype(out.dtype)
+  return out, lse2
+
+
 def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
                   window_left=-1, window_right=-1, bias=None, mask=None,
                   block_k=512, q_segment_ids=None, kv_segment_ids=None):

@@ -41,20 +41,21 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_fa3 import primitives, ring, pair_rule
+from jax_fa3 import primitives, ring, pair_rule, reference
 
 __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd"]
 
 # Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
-# SEG: the four pair-rule operands (_pair_rule_factors).
-_FWD_RULE = "b t Q h, b s k h, b s k h, b, b, SEG -> b t Q h, b Q t"
+# SEG: the four pair-rule operands (_pair_rule_factors); SNK: the sinks [N]
+# follow the query heads, or their own factor o when absent ([0]).
+_FWD_RULE = "b t Q h, b s k h, b s k h, b, b, SEG, SNK -> b t Q h, b Q t"
 _BWD_RULE = ("b t Q h, b s k h, b s k h, b t Q h, b Q t, b t Q h, b, b, SEG "
              "-> b t Q h, b s k h, b s k h")
 _QUANT_RULE = ("b t Q h, b s k h, b s k h, h, f -> b t Q h, b s k h, V, "
                "b Q x, b k y, b k y")
 _FP8_FWD_RULE = "b t Q h, b s k h, V, b Q x, b k y, b k y, b, b, SEG -> b t Q h, b Q t"
 _V_LAYOUT = {False: "b s k h", True: "b k h z"}
-_SEQ_FREE = ("h", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l")
+_SEQ_FREE = ("h", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l", "o")
 _SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
 
 
@@ -83,6 +84,9 @@ def _rule(template, operand_types, replicated, v_transposed=False):
   if "SEG" in template:
     first = template.split("SEG")[0].count(",")
     template = template.replace("SEG", _pair_rule_factors(operand_types, first))
+  if "SNK" in template:
+    template = template.replace(
+        "SNK", "Q" if operand_types[-1].shape[0] else "o")
   template = template.replace("V", _V_LAYOUT[v_transposed])
   factors = list(dict.fromkeys(re.findall(r"[a-z]", template)))
   # Shardy wants them in the order the factors first appear.
@@ -191,6 +195,10 @@ class Plan:
     bits = self.ns(mb, mn, None, None, None)
     return (bits, bits, self.ns(mb, mn, None, None), self.ns(mb, mk, None, None))
 
+  def sinks(self, shape):
+    """The sinks [N] follow the query heads; an empty one is replicated."""
+    return self.ns(_entry(self.n)) if shape.shape[0] else self.ns()
+
   @property
   def heads_major(self):
     """``[B, heads, ...]`` operands: FP8 scales, V^T."""
@@ -217,15 +225,17 @@ def _may_ring(arg_shapes, first_seg):
 
 # ------------------------------------------------------------ 16-bit calls
 def _fwd_local(plan, scale, softcap, window_left, window_right):
-  def lower(q, k, v, q_lens, kv_lens, *pairs):
-    if plan.p > 1:  # no segment ids (_may_ring)
-      return ring.ring_fwd(q, k, v, q_lens, kv_lens, plan.axis, plan.p,
-                           "contiguous", window_right == 0,
-                           dict(scale=scale, softcap=softcap),
-                           (primitives.fa3_fwd, primitives.fa3_bwd))
+  def lower(q, k, v, q_lens, kv_lens, *pairs_sinks):
+    *pairs, sinks = pairs_sinks
+    if plan.p > 1:  # no segment ids (_may_ring); the sinks join once, after the ring
+      return reference.fold_sinks(*ring.ring_fwd(
+          q, k, v, q_lens, kv_lens, plan.axis, plan.p, "contiguous",
+          window_right == 0, dict(scale=scale, softcap=softcap),
+          (primitives.fa3_fwd, primitives.fa3_bwd)),
+          sinks if sinks.shape[0] else None)
     return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, pairs, scale=scale,
                               softcap=softcap, window_left=window_left,
-                              window_right=window_right)
+                              window_right=window_right, sinks=sinks)
   return lower
 
 
@@ -246,11 +256,11 @@ def _bwd_local(plan, scale, softcap, window_left, window_right,
 
 
 def _fwd_impl(q, k, v, q_lens, kv_lens, q_ids, kv_ids, q_spans, kv_spans,
-              scale, softcap, window_left, window_right):
+              sinks, scale, softcap, window_left, window_right):
   return primitives.fa3_fwd(q, k, v, q_lens, kv_lens,
                             (q_ids, kv_ids, q_spans, kv_spans), scale=scale,
                             softcap=softcap, window_left=window_left,
-                            window_right=window_right)
+                            window_right=window_right, sinks=sinks)
 
 
 def _fwd_partition(scale, softcap, window_left, window_right, mesh,
@@ -260,7 +270,8 @@ def _fwd_partition(scale, softcap, window_left, window_right, mesh,
   return (plan.mesh, _fwd_local(plan, scale, softcap, window_left,
                                 window_right),
           (plan.q, plan.lse),
-          (plan.q, plan.kv, plan.kv, plan.lens, plan.lens) + plan.pairs(arg_shapes, 5))
+          (plan.q, plan.kv, plan.kv, plan.lens, plan.lens) + plan.pairs(arg_shapes, 5)
+          + (plan.sinks(arg_shapes[9]),))
 
 
 def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, q_ids, kv_ids,
@@ -371,7 +382,8 @@ _fwd = _partitioned(
     lambda plan, *s: (plan.q, plan.lse),
     lambda ops, *s: _rule(_FWD_RULE, ops, _SEQ_FREE),
     lambda shapes, scale, softcap, wl, wr: dict(
-        window_left=wl, window_right=wr, ring=_may_ring(shapes, 5)))
+        window_left=wl, window_right=wr, ring=_may_ring(shapes, 5)),
+    n_per_batch=9)
 _bwd = _partitioned(
     _bwd_impl, 5, _bwd_partition,
     lambda plan, *s: (plan.q, plan.kv, plan.kv),
@@ -393,11 +405,13 @@ _fp8 = _partitioned(
 
 
 def fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-            window_right, pairs=None):
+            window_right, pairs=None, sinks=None):
   """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``; ``pairs``:
-  :func:`pair_rule.from_segment_ids` or None."""
+  :func:`pair_rule.from_segment_ids` or None; ``sinks``: float32 ``[N]`` or
+  None."""
   pairs = pair_rule.absent(q.shape[0]) if pairs is None else pairs
-  return _fwd(q, k, v, q_lens, kv_lens, *pairs, static=(
+  sinks = primitives.no_sinks() if sinks is None else sinks
+  return _fwd(q, k, v, q_lens, kv_lens, *pairs, sinks, static=(
       float(scale), float(softcap), int(window_left), int(window_right)))
 
 

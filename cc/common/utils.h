@@ -92,4 +92,23 @@ CUTE_DEVICE float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// The end of one row's online softmax: `sum` of exp2(score - m) over its
+// visible keys, `m` their max and `sink` an extra logit with value 0 that
+// joins the denominator (all base 2; sink -inf: none). Writes the natural-log
+// LSE (+inf for a row with neither, so the backward's exp(s - lse) is 0
+// there) and returns the factor that normalizes the row's output.
+CUTE_DEVICE float finish_row(float sum, float m, float sink, float& lse) {
+  const bool keys = sum > 0.f;
+  m = keys ? m : -INFINITY;
+  const float top = fmaxf(m, sink);
+  if (top == -INFINITY) {
+    lse = INFINITY;
+    return 0.f;
+  }
+  const float keep = keys ? exp2f(m - top) : 0.f;
+  const float total = sum * keep + exp2f(sink - top);
+  lse = (top + __log2f(total)) * 0.69314718055994530942f;
+  return keep / total;
+}
+
 }  // namespace jax_fa3

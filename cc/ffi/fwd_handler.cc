@@ -38,7 +38,8 @@ const char* pick_variant(const FwdParams& p, DType dtype) {
 
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, Ids q_ids, Ids kv_ids,
-                   Ids q_spans, Ids kv_spans, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   Ids q_spans, Ids kv_spans, ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    float scale, float softcap, int32_t window_left, int32_t window_right) {
   if (!all_rank4(q, k, v)) { return invalid(kWho, "q, k, v must be rank 4 [B, T, N, H]"); }
   DType dtype;
@@ -55,6 +56,10 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
   if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
+  if (sinks.element_count() != 0 && sinks.element_count() != size_t(p.n)) {
+    return invalid(kWho, "sinks must have shape [N] or [0]");
+  }
+  p.sinks = sinks.element_count() != 0 ? sinks.typed_data() : nullptr;
   if (p.b == 0 || p.t == 0 || p.n == 0) { return ffi::Error::Success(); }  // nothing to write
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
   p.o = o->untyped_data(); p.lse = lse->typed_data();
@@ -89,6 +94,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
         .Arg<ffi::Buffer<ffi::S32>>()  // q spans or empty
         .Arg<ffi::Buffer<ffi::S32>>()  // kv spans or empty
+        .Arg<ffi::Buffer<ffi::F32>>()  // sinks [N] or empty
         .Ret<ffi::AnyBuffer>()         // out
         .Ret<ffi::Buffer<ffi::F32>>()  // lse
         .Attr<float>("scale")

@@ -109,10 +109,7 @@ struct Fp8OnlineSoftmax {
     Tensor o = as_rowcol(acc_o);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float sum = quad_sum(row_sum[r]);
-      bool empty = !(sum > 0.f);
-      float inv = empty ? 0.f : v_scale_ref / sum;
-      lse[r] = empty ? INFINITY : (row_max[r] - kPShift + __log2f(sum)) * 0.69314718055994530942f;
+      const float inv = v_scale_ref * finish_row(quad_sum(row_sum[r]), row_max[r] - kPShift, -INFINITY, lse[r]);
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(o); ++c) { o(r, c) *= inv; }
     }

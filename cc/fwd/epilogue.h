@@ -46,16 +46,18 @@ struct Epilogue {
     }
   }
 
-  // One thread of each quad writes the LSE of its rows (+inf past q_len).
+  // One thread of each quad writes the LSE of its rows; past q_len a row sees
+  // no key: +inf, or the sink's logit (the softmax over the sink alone).
   template <int kRows, class TC>
   CUTE_DEVICE static void store_lse(const FwdParams& p, const WorkTile& tile, TC const& cO_rc, int m_start,
                                     int q_len, const float (&lse)[kRows]) {
     if (get<1>(cO_rc(0, 0)) == 0) {
       float* lse_ptr = p.lse + (int64_t(tile.batch) * p.n + tile.head) * p.t;
+      const float past = p.sinks ? p.sinks[tile.head] : INFINITY;
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
         int row = m_start + get<0>(cO_rc(r, 0));
-        if (row < p.t) { lse_ptr[row] = row < q_len ? lse[r] : INFINITY; }
+        if (row < p.t) { lse_ptr[row] = row < q_len ? lse[r] : past; }
       }
     }
   }

@@ -113,7 +113,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
                    softmax, acc_o, release_q);
       if (Traits::kSeparateO && !q_released) { release_q(); }  // an empty tile
       float lse[Mainloop::kRows];
-      softmax.finalize(acc_o, lse);
+      softmax.finalize(acc_o, lse, p.sinks ? p.sinks[tile.head] * 1.44269504088896340736f : -INFINITY);
       Epilogue<Traits, Params>::store(params, smem, mma_tid, tile, q_len, acc_o, lse);
       if constexpr (!Traits::kSeparateO) {  // O was staged in Q's buffer and has been stored
         pipe_q.consumer_release(state_q);

@@ -49,6 +49,9 @@ struct FwdParams {
   float* lse = nullptr;      // [b, n, t], natural log; +inf for rows that see no key
   const int32_t* q_lens = nullptr;   // [b] valid query rows per batch (clamped to t)
   const int32_t* kv_lens = nullptr;  // [b] valid key rows per batch (clamped to s)
+  // [n] per-head logit of a virtual key with value 0 that joins every row's
+  // softmax (attention sinks); null: none.
+  const float* sinks = nullptr;
   PairRuleParams pair;
 
   int b = 0, t = 0, s = 0, n = 0, kh = 0, d = 0;

@@ -58,17 +58,14 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalizes the output and returns the natural-log LSE per row (+inf for a
-  // row that saw no key, so that backward's exp(s - lse) is 0 there).
+  // Normalizes the output and returns the natural-log LSE per row
+  // (finish_row: the sink, in base-2 units, joins the denominator; -inf: none).
   template <class TO>
-  CUTE_DEVICE void finalize(TO& acc_o, float (&lse)[kRows]) {
+  CUTE_DEVICE void finalize(TO& acc_o, float (&lse)[kRows], float sink_log2 = -INFINITY) {
     Tensor o = as_rowcol(acc_o);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float sum = quad_sum(row_sum[r]);
-      bool empty = !(sum > 0.f);
-      float inv = empty ? 0.f : 1.f / sum;
-      lse[r] = empty ? INFINITY : (row_max[r] * scale_log2 + __log2f(sum)) * 0.69314718055994530942f;
+      const float inv = finish_row(quad_sum(row_sum[r]), row_max[r] * scale_log2, sink_log2, lse[r]);
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(o); ++c) { o(r, c) *= inv; }
     }

@@ -38,7 +38,11 @@ struct Case {
   int docs = 0;            // segment ids: documents per row (0: none)
   bool scattered = false;  // ids at random instead of contiguous documents
   bool as_mask = false;    // the same rule given as a boolean mask
+  bool sinks = false;      // a per-head sink logit joins every row's softmax
 };
+
+// Sink logits around the scores' range, one far above it (the sink dominates).
+float sink_of(int h) { return h == 1 ? 6.f : 0.7f * h - 1.f; }
 
 struct Result { double max_err_o, max_err_lse; bool nan, repro, skipped = false; };
 
@@ -53,7 +57,13 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
   std::vector<int32_t> qlen, kvlen;
   case_lengths(c.b, c.t, c.s, c.lens, qlen, kvlen);
 
-  void *dq, *dk, *dv, *dout; float* dlse; int32_t *dql, *dkl;
+  void *dq, *dk, *dv, *dout; float *dlse, *dsinks = nullptr; int32_t *dql, *dkl;
+  std::vector<float> hsinks(c.n);
+  for (int h = 0; h < c.n; ++h) hsinks[h] = sink_of(h);
+  if (c.sinks) {
+    CHECK_CUDA(cudaMalloc((void**)&dsinks, c.n * 4));
+    CHECK_CUDA(cudaMemcpy(dsinks, hsinks.data(), c.n * 4, cudaMemcpyHostToDevice));
+  }
   CHECK_CUDA(cudaMalloc(&dq, nq * 2)); CHECK_CUDA(cudaMalloc(&dk, nk * 2));
   CHECK_CUDA(cudaMalloc(&dv, nk * 2)); CHECK_CUDA(cudaMalloc(&dout, nq * 2));
   CHECK_CUDA(cudaMalloc((void**)&dlse, size_t(c.b) * c.n * c.t * 4));
@@ -66,6 +76,7 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
 
   jax_fa3::FwdParams p;
   p.q = dq; p.k = dk; p.v = dv; p.o = dout; p.lse = dlse; p.q_lens = dql; p.kv_lens = dkl;
+  p.sinks = dsinks;
   p.b = c.b; p.t = c.t; p.s = c.s; p.n = c.n; p.kh = c.kh; p.d = d;
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
@@ -81,6 +92,7 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
     int err = jax_fa3_fwd_launch(&p, bf16 ? 0 : 1, variant, nullptr);
     if (err == -1) {  // this (dtype, head dim, variant) is not compiled
       cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
+      cudaFree(dsinks);
       Result skip{0, 0, false, true};
       skip.skipped = true;
       return skip;
@@ -92,6 +104,7 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
     CHECK_CUDA(cudaMemcpy(lse[rep].data(), dlse, lse[rep].size() * 4, cudaMemcpyDeviceToHost));
   }
   cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
+  cudaFree(dsinks);
 
   Result r{0, 0, false, out[0] == out[1] && std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * 4) == 0};
   const int group = c.n / c.kh;
@@ -112,7 +125,9 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
           if (c.softcap > 0) acc = c.softcap * std::tanh(acc / c.softcap);
           sc[j] = acc; mx = std::max(mx, acc);
         }
-        double sum = 0;
+        const double sink = c.sinks ? double(hsinks[h]) : -INFINITY;
+        mx = std::max(mx, sink);
+        double sum = std::isinf(sink) ? 0.0 : std::exp(sink - mx);  // the sink's value is 0
         for (int j = 0; j < c.s; ++j) { sc[j] = std::isinf(sc[j]) ? 0.0 : std::exp(sc[j] - mx); sum += sc[j]; }
         const size_t lse_idx = (size_t(b) * c.n + h) * c.t + i;
         double ref_lse = sum > 0 ? mx + std::log(sum) : INFINITY;
@@ -211,6 +226,10 @@ int main(int argc, char** argv) {
       // The same rules as boolean masks.
       {2, 333, 517, 4, 2, false, -1, -1, 0.f, true, 5, false, true},
       {2, 300, 300, 2, 2, true, -1, -1, 0.f, false, 3, true, true},
+      // Sinks: with causal + GQA, softcap + lengths (rows that see no key), documents.
+      {2, 77, 133, 4, 2, true, -1, -1, 0.f, false, 0, false, false, true},
+      {3, 190, 230, 2, 2, false, -1, -1, 30.f, true, 0, false, false, true},
+      {1, 600, 600, 2, 1, true, -1, -1, 0.f, false, 4, false, false, true},
   };
   const bool bf16 = dtype == "bf16";
   const double tol_o = bf16 ? 2e-2 : 4e-3;
@@ -226,10 +245,10 @@ int main(int argc, char** argv) {
       }
       bool ok = !r.nan && r.repro && r.max_err_o <= tol_o && r.max_err_lse <= 1e-3;
       failures += !ok;
-      std::printf("%s d%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d docs=%d%s  "
+      std::printf("%s d%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d docs=%d%s%s  "
                   "max|dO|=%.2e max|dLSE|=%.2e nan=%d repro=%d  %s\n",
                   dtype.c_str(), d, c.b, c.t, c.s, c.n, c.kh, c.causal, c.left, c.right, c.softcap,
-                  c.lens, c.docs, c.scattered ? "s" : (c.as_mask ? "m" : ""), r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
+                  c.lens, c.docs, c.scattered ? "s" : (c.as_mask ? "m" : ""), c.sinks ? " sinks" : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
     }
   }
   std::printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
