@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3 import primitives
+from jax_fa3 import core, primitives
 from fa3_testing import cid, kernel_configs
 from host_reference import (FA3_ATOL, FWD_FACTOR, GRAD_FACTOR, assert_fa3_rule,
                             np_dtype, roundoff)
@@ -58,6 +58,12 @@ def _check(cfg, *, B=2, T=517, S=517, N=4, K=2, seed=0, ref_kw=None, **kw):
   f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
   want = jax.jit(lambda *a: ref(*a, False))(*f32, sinks)
   same = jax.jit(lambda *a: ref(*a, True))(q, k, v, sinks)
+  # dsinks sums P_sink * rowsum(dout * out) over every row, from the output as
+  # stored in q.dtype, whose rounding it inherits: its same-dtype baseline is
+  # that formula on XLA's same-dtype output (with the float32 LSE).
+  lse = jax.jit(lambda *a: sink_reference(*a, return_lse=True, **ref_kw)[1])(
+      *f32, sinks)
+  same = same[:4] + (core._dsinks(same[0], lse, w.astype(dtype), sinks),)
   for i, name in enumerate(("out", "dq", "dk", "dv", "dsinks")):
     g = np.asarray(got[i]).astype(np.float32)
     r = np.asarray(want[i]).astype(np.float32)

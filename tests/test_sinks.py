@@ -18,7 +18,7 @@ HI = jax.lax.Precision.HIGHEST
 
 def sink_reference(q, k, v, sinks, *, scale=None, causal=False, window=None,
                    q_lens=None, kv_lens=None, softcap=None, mask=None,
-                   same_dtype=False):
+                   same_dtype=False, return_lse=False):
   """float32 attention with a sink column; rows that see no key give 0
   with or without a sink (the sink's value is 0).  ``same_dtype``: what
   jax.nn's XLA path does in q's dtype instead (products of q.dtype inputs
@@ -61,7 +61,8 @@ def sink_reference(q, k, v, sinks, *, scale=None, causal=False, window=None,
   out = jnp.einsum("bnts,bsnh->btnh", p.astype(dt), vf, precision=HI,
                    preferred_element_type=jnp.float32)
   rows = ok.any(-1)  # [B, 1|N, T]
-  return jnp.where(jnp.swapaxes(rows, 1, 2)[..., None], out, 0.0).astype(dt)
+  out = jnp.where(jnp.swapaxes(rows, 1, 2)[..., None], out, 0.0).astype(dt)
+  return (out, (m + jnp.log(den))[..., 0]) if return_lse else out
 
 
 def inputs(seed, B=2, T=37, S=53, N=4, K=2, H=16, Hv=None):
