@@ -26,11 +26,13 @@ B, T, N, H = 2, 32, 4, 8
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 
-def _kernel_attention(q, k, v, q_lens, kv_lens, scale, softcap, wl, wr):
+def _kernel_attention(q, k, v, q_lens, kv_lens, scale, softcap, wl, wr,
+                      sinks=None):
   """The kernel path of the core (on CPU its primitives lower to the
   reference), partitioned under a sharded jit."""
   cfg = core.Config(scale, softcap, wl, wr, kernel=True)
-  return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg)
+  return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg,
+                        sinks=sinks)
 
 
 def _mesh(shape, names):
@@ -80,36 +82,50 @@ LAYOUTS = [
 ]
 
 
-def _run_layout(qs, kvs, K, S, causal, wl, softcap, seed=0):
+def _run_layout(qs, kvs, K, S, causal, wl, softcap, seed=0, sinks=False):
   mesh = _mesh((2, 2, 2), M3)
   q, k, v, w, ql, kl = _inputs(seed, K=K, S=S)
   wr = 0 if causal else -1
+  snk = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32) if sinks else None
+  # Differentiated inputs: q, k, v (and the sinks when given).
+  args = (q, k, v) + ((snk,) if sinks else ())
+  argnums = tuple(range(len(args)))
 
   def fwd(impl):
-    return lambda q, k, v: impl(q, k, v, ql, kl, 0.35, softcap, wl, wr)
+    return lambda q, k, v, *s: impl(q, k, v, ql, kl, 0.35, softcap, wl, wr,
+                                    sinks=s[0] if s else None)
 
   def loss(impl):
-    return lambda q, k, v: jnp.sum(fwd(impl)(q, k, v)[0] * w)
+    return lambda *a: jnp.sum(fwd(impl)(*a)[0] * w)
 
   with jax.default_device(CPUS[0]):
-    ref_o, ref_l = jax.jit(fwd(_kernel_attention))(q, k, v)
-    ref_g = jax.jit(jax.grad(loss(_kernel_attention),
-                             argnums=(0, 1, 2)))(q, k, v)
+    ref_o, ref_l = jax.jit(fwd(_kernel_attention))(*args)
+    ref_g = jax.jit(jax.grad(loss(_kernel_attention), argnums=argnums))(*args)
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   qq, kk, vv = put(q, qs), put(k, kvs), put(v, kvs)
-  o, l = jax.jit(fwd(_kernel_attention))(qq, kk, vv)
-  g = jax.jit(jax.grad(loss(_kernel_attention),
-                       argnums=(0, 1, 2)))(qq, kk, vv)
+  sharded = (qq, kk, vv) + ((put(snk, P()),) if sinks else ())
+  o, l = jax.jit(fwd(_kernel_attention))(*sharded)
+  g = jax.jit(jax.grad(loss(_kernel_attention), argnums=argnums))(*sharded)
   np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), **TOL)
   _check_lse(l, ref_l)
   for a, b in zip(g, ref_g):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
-  return jax.jit(fwd(_kernel_attention)).lower(qq, kk, vv).as_text()
+  return jax.jit(fwd(_kernel_attention)).lower(*sharded).as_text()
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[c[0] for c in LAYOUTS])
 def test_partitioned_equals_unsharded(case):
   _run_layout(*case[1:])
+
+
+_SINK_LAYOUTS = [c for c in LAYOUTS if c[0] in (
+    "batch", "heads_gqa", "heads_mqa", "seq_ring_causal", "batch_seq_heads")]
+
+
+@pytest.mark.parametrize("case", _SINK_LAYOUTS, ids=[c[0] for c in _SINK_LAYOUTS])
+def test_partitioned_sinks_equal_unsharded(case):
+  # The sinks follow the query heads; on a sequence ring they join once.
+  _run_layout(*case[1:], sinks=True)
 
 
 @pytest.mark.parametrize("case", [LAYOUTS[0], LAYOUTS[4], LAYOUTS[7]],
