@@ -15,7 +15,7 @@ import jax_fa3
 from jax_fa3 import core, primitives
 from fa3_testing import cid, kernel_configs
 from host_reference import (FA3_ATOL, FWD_FACTOR, GRAD_FACTOR, assert_fa3_rule,
-                            np_dtype, roundoff)
+                            max_abs_diff, np_dtype, roundoff)
 from test_sinks import sink_reference
 
 pytestmark = pytest.mark.gpu
@@ -60,10 +60,13 @@ def _check(cfg, *, B=2, T=517, S=517, N=4, K=2, seed=0, ref_kw=None, **kw):
   same = jax.jit(lambda *a: ref(*a, True))(q, k, v, sinks)
   # dsinks sums P_sink * rowsum(dout * out) over every row, from the output as
   # stored in q.dtype, whose rounding it inherits: its same-dtype baseline is
-  # that formula on XLA's same-dtype output (with the float32 LSE).
+  # the worse of XLA's autodiff and that formula on XLA's same-dtype output
+  # (with the float32 LSE).
   lse = jax.jit(lambda *a: sink_reference(*a, return_lse=True, **ref_kw)[1])(
       *f32, sinks)
-  same = same[:4] + (core._dsinks(same[0], lse, w.astype(dtype), sinks),)
+  formula = core._dsinks(same[0], lse, w.astype(dtype), sinks)
+  same = same[:4] + (max((same[4], formula), key=lambda x: max_abs_diff(
+      np.asarray(x, np.float32), np.asarray(want[4], np.float32))),)
   for i, name in enumerate(("out", "dq", "dk", "dv", "dsinks")):
     g = np.asarray(got[i]).astype(np.float32)
     r = np.asarray(want[i]).astype(np.float32)
