@@ -242,7 +242,7 @@ def _reference_fwd(q, k, v, q_lens, kv_lens, *pairs_sinks, **attrs):
   *pairs, sinks = pairs_sinks
   res = reference.attention_fwd(q, k, v, q_lens, kv_lens,
                                 **_rule_kwargs(pairs, q, k), **attrs)
-  return reference.fold_sinks(*res, sinks if sinks.shape[0] else None)
+  return reference.fold_sinks(*res, sinks)
 
 
 def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs,

@@ -193,8 +193,9 @@ def fold_sinks(out, lse, sinks):
   A row that sees no key gets ``lse' = sink`` and stays 0.  The backward
   needs nothing else: with ``(out', lse')`` the usual ``P`` and
   ``delta = rowsum(dout * out')`` are those of the softmax with the sink
-  (whose value is 0), and ``dsink = -sum(P_sink * delta)``."""
-  if sinks is None:
+  (whose value is 0), and ``dsink = -sum(P_sink * delta)``.  ``sinks``
+  None or empty (the kernels' operand without sinks): nothing to fold."""
+  if sinks is None or sinks.shape[0] == 0:
     return out, lse
   s = sinks[None, :, None]
   keys = jnp.where(jnp.isinf(lse), -jnp.inf, lse)  # +inf: no key

@@ -231,8 +231,7 @@ def _fwd_local(plan, scale, softcap, window_left, window_right):
       return reference.fold_sinks(*ring.ring_fwd(
           q, k, v, q_lens, kv_lens, plan.axis, plan.p, "contiguous",
           window_right == 0, dict(scale=scale, softcap=softcap),
-          (primitives.fa3_fwd, primitives.fa3_bwd)),
-          sinks if sinks.shape[0] else None)
+          (primitives.fa3_fwd, primitives.fa3_bwd)), sinks)
     return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, pairs, scale=scale,
                               softcap=softcap, window_left=window_left,
                               window_right=window_right, sinks=sinks)
