@@ -167,7 +167,7 @@ def main(argv=None):
   ap.add_argument("--heads", type=int, default=32)
   ap.add_argument("--kv-heads", type=int, default=8)
   ap.add_argument("--hdim", type=int, default=128)
-  ap.add_argument("--page-size", type=int, default=64)
+  ap.add_argument("--page-size", type=int, default=128)
   ap.add_argument("--impls", default="jax_fa3,jax_fa3_paged,fa3ref,cudnn")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--copy-gib", type=float, default=4.0)

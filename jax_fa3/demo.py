@@ -70,7 +70,7 @@ def parse_args(argv, on_gpu):
   ap.add_argument("--generate", type=int, default=0, metavar="N",
                   help="after training, decode N tokens of a copy-task prompt "
                        "with a paged KV cache (jax_fa3.attention_with_kvcache)")
-  ap.add_argument("--page-size", type=int, default=16,
+  ap.add_argument("--page-size", type=int, default=128,
                   help="KV-cache page size for --generate")
   ap.add_argument("--no-check", action="store_true",
                   help="skip the attention accuracy check")

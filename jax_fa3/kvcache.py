@@ -23,9 +23,18 @@ Semantics (the contract the kernels will keep):
   ``cache_seqlens`` is clamped to ``[0, capacity]``, new rows past the
   capacity are dropped, page ids are clamped to ``[0, num_pages - 1]``.
 
-This module holds the pure-JAX path (any float dtype, any page size, on any
-backend); it gathers the row's pages into a dense ``[B, capacity, K, H]``
-view, so it suits tests and moderate caches, not production decode.
+The kernel path (bfloat16 / float16, head dims 64, 96, 128, 192, 256;
+pages of a multiple of the kernels' key block, :data:`KEY_BLOCK`: 128
+positions up to head dim 128, 80 above) runs the FlashAttention-3 forward
+kernels on the cache in place: a kv head's ``G = N / K`` query heads are
+stacked as ``Tq * G`` rows of one tile (GQA packing: one K/V read serves the
+group), the page table is resolved per key block, and with few tiles per SM
+the keys are split into ``num_splits`` parts (split-KV) whose partial
+results merge by their log-sum-exp.  Other dtypes and page sizes take the
+pure-JAX path, which gathers the row's pages into a dense ``[B, capacity,
+K, H]`` view (fine for tests and moderate caches, not production decode).
+Groups of a size that is not a power of two are not packed (each query head
+is its own tile row; the kernel maps it to its kv head).
 """
 from __future__ import annotations
 
@@ -34,8 +43,82 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa3 import _validate as V
+from jax_fa3 import sharding
 
-__all__ = ["attention_with_kvcache"]
+__all__ = ["attention_with_kvcache", "KEY_BLOCK"]
+
+# Key block of the forward kernels per head dim (FwdTileConfig in
+# cc/fwd/traits.h): a page must hold whole blocks.
+KEY_BLOCK = {64: 128, 96: 128, 128: 128, 192: 80, 256: 80}
+_ROWS = 128  # query rows per tile
+
+
+def _kernel_path(q, paged, page_size):
+  return (np.dtype(q.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+          and q.shape[-1] in KEY_BLOCK
+          and (not paged or page_size % KEY_BLOCK[q.shape[-1]] == 0))
+
+
+def _num_sms():
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+  except RuntimeError:
+    return 132
+
+
+def auto_splits(batch, heads, rows, capacity, head_dim, num_sms=None):
+  """Split-KV parts for a call of ``batch * heads * ceil(rows / 128)``
+  tiles: none when they fill 80 % of the SMs, else enough to fill them,
+  each part keeping at least 4 key blocks."""
+  sms = num_sms or _num_sms()
+  tiles = batch * heads * -(-rows // _ROWS)
+  if 5 * tiles >= 4 * sms:
+    return 1
+  blocks = -(-capacity // KEY_BLOCK.get(head_dim, 128))
+  return max(1, min(sms // tiles, blocks // 4, 64))
+
+
+def _merge_splits(out, lse):
+  """``out [B, Z, T, N, H]`` parts normalized over their own keys, ``lse [B,
+  Z, N, T]`` (+inf: a part without keys) -> ``[B, T, N, H]`` in float32."""
+  if out.shape[1] == 1:
+    return out[:, 0].astype(jnp.float32)
+  l = jnp.where(lse == jnp.inf, -jnp.inf, lse)
+  m = jnp.max(l, axis=1, keepdims=True)
+  w = jnp.exp(l - jnp.where(jnp.isfinite(m), m, 0.0))
+  total = jnp.sum(w, axis=1, keepdims=True)
+  w = w / jnp.where(total > 0, total, 1.0)
+  return jnp.einsum("bznt,bztnh->btnh", w, out.astype(jnp.float32))
+
+
+def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
+                      causal, window, softcap, num_splits):
+  """The kernel path: a GQA group's query heads packed as rows of their kv
+  head, positions ``lengths - Tq + i`` (bottom-right)."""
+  B, Tq, N, H = q.shape
+  K = k_cache.shape[2]
+  G = N // K
+  # A power-of-two group packs (the kernel shifts rows to positions); other
+  # groups keep their heads, which the kernel maps to kv heads.
+  pack = G if G & (G - 1) == 0 else 1
+  rows, heads = Tq * pack, N // pack
+  qp = q
+  if pack > 1:
+    qp = q.reshape(B, Tq, K, G, H).transpose(0, 1, 3, 2, 4).reshape(B, rows, K, H)
+  left = window[0] if window is not None else -1
+  right = 0 if causal else (window[1] if window is not None else -1)
+  paged = page_table is not None
+  capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+  ns = num_splits or auto_splits(B, heads, rows, capacity, H)
+  pt = page_table if paged else jnp.zeros((B, 0), jnp.int32)
+  out, lse = sharding.kvcache_fwd(
+      qp, k_cache, v_cache, jnp.full((B,), rows, jnp.int32), lengths,
+      lengths - Tq, pt, scale=scale, softcap=softcap, window_left=left,
+      window_right=right, q_pack=pack, num_splits=ns)
+  o = _merge_splits(out, lse).astype(q.dtype)
+  if pack == 1:
+    return o
+  return o.reshape(B, Tq, G, K, H).transpose(0, 1, 3, 2, 4).reshape(B, Tq, N, H)
 
 
 def _check_cache(k_cache, v_cache, page_table, B, K, H):
@@ -147,7 +230,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
     softcap: scores ``-> c * tanh(s / c)``.
     num_splits: None (chosen from the shape) or an int >= 1: how many parts
       of the cache length the kernel splits the work into; results are
-      deterministic for a fixed value.  The pure-JAX path ignores it.
+      deterministic for a fixed value.  The dense pure-JAX path (other
+      dtypes, page sizes) ignores it.
 
   Returns:
     ``out [B, Tq, N, H]``, or ``(out, k_cache, v_cache)`` with the caches
@@ -203,10 +287,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
     lengths = jnp.minimum(sl + Tq, capacity)
   else:
     lengths = sl
-  k = _gather(k_cache, pt, paged, page_size, capacity, B)
-  v = _gather(v_cache, pt, paged, page_size, capacity, B)
-  out = _reference(q, k, v, lengths, scale=scale, causal=causal, window=window,
-                   softcap=softcap)
+  if _kernel_path(q, paged, page_size):
+    out = _kernel_attention(q, k_cache, v_cache, lengths, pt, scale=scale,
+                            causal=causal, window=window, softcap=softcap,
+                            num_splits=num_splits)
+  else:
+    k = _gather(k_cache, pt, paged, page_size, capacity, B)
+    v = _gather(v_cache, pt, paged, page_size, capacity, B)
+    out = _reference(q, k, v, lengths, scale=scale, causal=causal,
+                     window=window, softcap=softcap)
   if k_new is None:
     return out
   return out, k_cache, v_cache

@@ -7,6 +7,9 @@ batching rule.
 * ``fp8_quantize_p``: the FP8 pre-pass (Hadamard rotation, block scales,
   e4m3 cast) -> FFI ``jax_fa3_fp8_quantize``.
 * ``fp8_fwd_p``: FP8 attention forward -> FFI ``jax_fa3_fp8_fwd``.
+* ``kvcache_fwd_p``: the forward kernels on a KV cache (packed GQA rows,
+  bottom-right positions, paged caches, split-KV parts) -> FFI
+  ``jax_fa3_kvcache_fwd`` (:mod:`jax_fa3.kvcache` merges the parts).
 
 On CUDA they lower to the FFI custom calls (the contract is in ``cc/ffi``).
 On every other platform they lower to pure JAX (:mod:`jax_fa3.reference`;
@@ -35,14 +38,16 @@ from jax.interpreters import batching, mlir
 from jax_fa3 import _native, reference, pair_rule
 
 __all__ = ["fa3_fwd_p", "fa3_bwd_p", "fp8_quantize_p", "fp8_fwd_p",
-           "fa3_fwd", "fa3_bwd", "no_sinks", "fp8_quantize", "fp8_fwd", "fold_vmap",
+           "kvcache_fwd_p", "fa3_fwd", "fa3_bwd", "no_sinks", "fp8_quantize",
+           "fp8_fwd", "kvcache_fwd", "fold_vmap",
            "bwd_kernel_available", "FWD_TARGET", "BWD_TARGET",
-           "FP8_QUANT_TARGET", "FP8_FWD_TARGET"]
+           "FP8_QUANT_TARGET", "FP8_FWD_TARGET", "KVCACHE_TARGET"]
 
 FWD_TARGET = "jax_fa3_fwd"
 BWD_TARGET = "jax_fa3_bwd"
 FP8_QUANT_TARGET = "jax_fa3_fp8_quantize"
 FP8_FWD_TARGET = "jax_fa3_fp8_fwd"
+KVCACHE_TARGET = "jax_fa3_kvcache_fwd"
 
 _F32 = jnp.float32
 _E4M3 = jnp.float8_e4m3fn
@@ -60,6 +65,7 @@ fa3_fwd_p = _primitive("fa3_fwd")
 fa3_bwd_p = _primitive("fa3_bwd")
 fp8_quantize_p = _primitive("fp8_quantize")
 fp8_fwd_p = _primitive("fp8_fwd")
+kvcache_fwd_p = _primitive("kvcache_fwd")
 
 
 # ------------------------------------------------------------------ binders
@@ -117,6 +123,20 @@ def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, pairs=None,
       v_transposed=bool(v_transposed)))
 
 
+def kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table, *,
+                scale, softcap=0.0, window_left=-1, window_right=-1, q_pack=1,
+                num_splits=1):
+  """``(out [B, num_splits, T, N, H], lse f32 [B, num_splits, N, T])``: the
+  split-KV parts of attention on a cache (:func:`reference.kvcache_fwd`);
+  ``page_table`` int32 ``[B, pages]``, or ``[B, 0]`` for a contiguous
+  cache."""
+  return tuple(kvcache_fwd_p.bind(
+      q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
+      scale=float(scale), softcap=float(softcap),
+      window_left=int(window_left), window_right=int(window_right),
+      q_pack=int(q_pack), num_splits=int(num_splits)))
+
+
 # ------------------------------------------------------------ abstract eval
 def _blocks(n, rows):
   return -(-n // rows)
@@ -153,6 +173,12 @@ def _fp8_fwd_shapes(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *_segs, out_dtype,
   return (_sds(q8.shape, out_dtype), _sds((b, n, t), _F32))
 
 
+def _kvcache_shapes(q, *_, num_splits, **__):
+  b, t, n, h = q.shape
+  return (_sds((b, num_splits, t, n, h), q.dtype),
+          _sds((b, num_splits, n, t), _F32))
+
+
 def _abstract(shapes_fn):
   def rule(*avals, **params):
     return [jax.core.ShapedArray(s.shape, s.dtype)
@@ -164,6 +190,7 @@ fa3_fwd_p.def_abstract_eval(_abstract(_fwd_shapes))
 fa3_bwd_p.def_abstract_eval(_abstract(_bwd_shapes))
 fp8_quantize_p.def_abstract_eval(_abstract(_quantize_shapes))
 fp8_fwd_p.def_abstract_eval(_abstract(_fp8_fwd_shapes))
+kvcache_fwd_p.def_abstract_eval(_abstract(_kvcache_shapes))
 
 
 # ------------------------------------------------------------------ lowering
@@ -228,6 +255,11 @@ def _fp8_fwd_attrs(scale, window_left, window_right, out_dtype,
               v_transposed=np.int32(v_transposed))
 
 
+def _kvcache_attrs(q_pack, num_splits, **attrs):
+  return dict(_fwd_attrs(**attrs), q_pack=np.int32(q_pack),
+              num_splits=np.int32(num_splits))
+
+
 def bwd_kernel_available(dtype, head_dim) -> bool:
   """True iff ``jax_fa3_bwd`` was compiled for (dtype, head_dim)."""
   return (np.dtype(dtype).name,
@@ -265,6 +297,20 @@ def _bwd_cuda(ctx, *args, **params):
   return _bwd_reference(ctx, *args, **params)
 
 
+_kvcache_kernel = _ffi(KVCACHE_TARGET, _kvcache_shapes, _kvcache_attrs)
+_kvcache_reference = mlir.lower_fun(reference.kvcache_fwd,
+                                    multiple_results=True)
+
+
+def _kvcache_cuda(ctx, *args, **params):
+  q = ctx.avals_in[0]
+  if (np.dtype(q.dtype).name, q.shape[-1]) in _native.compiled_configs():
+    return _kvcache_kernel(ctx, *args, **params)
+  return _kvcache_reference(ctx, *args, **params)
+
+
+mlir.register_lowering(kvcache_fwd_p, _kvcache_reference)
+mlir.register_lowering(kvcache_fwd_p, _kvcache_cuda, platform="cuda")
 mlir.register_lowering(fa3_fwd_p, mlir.lower_fun(_reference_fwd,
                                                  multiple_results=True))
 mlir.register_lowering(fa3_bwd_p, _bwd_reference)

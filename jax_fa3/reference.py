@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_bwd_with_dbias",
+           "kvcache_fwd",
            "reference_attention", "varying_like", "summed_like"]
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -258,6 +259,55 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   out = acc * jnp.moveaxis(inv, 3, 1)[..., None]
   out = out.reshape(q.shape[:3] + (Hv,)).astype(q.dtype)
   return out, lse.reshape(B, st.N, T)
+
+
+def kvcache_fwd(q, k, v, q_lens, kv_lens, q_offset, page_table, *, scale,
+                softcap, window_left, window_right, q_pack, num_splits):
+  """The KV-cache kernel call (``primitives.kvcache_fwd``) in pure JAX.
+
+  ``q [B,T,N,H]``: row ``i`` of batch ``b`` sits at position ``q_offset[b]
+  + i // q_pack`` for the window rule; ``k, v`` a contiguous ``[B,S,K,H]``
+  cache, or pages ``[P, page_size, K, H]`` that ``page_table [B, pages]``
+  maps (``[B, 0]``: contiguous; page ids clamped to the pool).  Returns
+  ``(out [B, Z, T, N, H], lse [B, Z, N, T])`` for ``Z = num_splits`` parts
+  of the keys, each normalized over its own keys (a part with none: 0 and
+  ``+inf``); here part ``z`` holds positions ``[z c, (z + 1) c)``, ``c =
+  ceil(S / Z)`` (the kernel splits by key blocks: any partition merges to
+  the same result)."""
+  B, T, N, H = q.shape
+  if page_table.shape[1]:
+    ps = k.shape[1]
+    pos = jnp.arange(page_table.shape[1] * ps)
+    page = jnp.clip(page_table[:, pos // ps], 0, k.shape[0] - 1)
+    k, v = k[page, pos % ps], v[page, pos % ps]
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  qg = q.reshape(B, T, K, G, H).astype(_F32)
+  s = _einsum("btkgh,bskh->bkgts", qg, k.astype(_F32)) * scale
+  if softcap:
+    s = softcap * jnp.tanh(s / softcap)
+  row = jnp.arange(T, dtype=jnp.int32)
+  qpos = q_offset[:, None] + row[None] // q_pack                  # [B, T]
+  j = jnp.arange(S, dtype=jnp.int32)
+  vis = ((j[None, None] < jnp.minimum(kv_lens, S)[:, None, None])
+         & (row[None, :, None] < jnp.minimum(q_lens, T)[:, None, None]))
+  if window_right >= 0:
+    vis = vis & (j <= qpos[..., None] + window_right)
+  if window_left >= 0:
+    vis = vis & (j >= qpos[..., None] - window_left)
+  chunk = -(-S // num_splits)
+  part = j // chunk == jnp.arange(num_splits)[:, None]            # [Z, S]
+  vis = vis[:, None, None, None] & part[None, :, None, None, None]  # [B,Z,1,1,T,S]
+  s = jnp.where(vis, s[:, None], -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+  den = jnp.sum(p, axis=-1)                                       # [B,Z,K,G,T]
+  has = den > 0
+  p = p / jnp.where(has, den, 1.0)[..., None]
+  out = _einsum("bzkgts,bskh->bztkgh", p, v.astype(_F32))
+  lse = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), jnp.inf)
+  return (out.reshape(B, num_splits, T, N, v.shape[-1]).astype(q.dtype),
+          lse.reshape(B, num_splits, N, T))
 
 
 def attention_bwd_with_dbias(q, k, v, out, lse, dout, q_lens, kv_lens, *,

@@ -43,7 +43,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_fa3 import primitives, ring, pair_rule, reference
 
-__all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd"]
+__all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd",
+           "kvcache_fwd"]
 
 # Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
 # SEG: the four pair-rule operands (_pair_rule_factors); SNK: the sinks [N]
@@ -55,6 +56,10 @@ _QUANT_RULE = ("b t Q h, b s k h, b s k h, h, f -> b t Q h, b s k h, V, "
                "b Q x, b k y, b k y")
 _FP8_FWD_RULE = "b t Q h, b s k h, V, b Q x, b k y, b k y, b, b, SEG -> b t Q h, b Q t"
 _V_LAYOUT = {False: "b s k h", True: "b k h z"}
+# KV caches: q's rows t (a GQA group's heads packed as rows, or not); a
+# contiguous cache follows the batch, a paged pool (c pages) is whole on
+# every batch shard; z: split parts.
+_KVCACHE_RULE = "b t Q h, C s k h, C s k h, b, b, b, b p -> b z t Q h, b z Q t"
 _SEQ_FREE = ("h", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l", "o")
 _SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
 
@@ -338,6 +343,40 @@ def _fp8_fwd_partition(scale, window_left, window_right, out_dtype,
           (plan.q, plan.kv, v8, hm, hm, hm, plan.lens, plan.lens) + plan.pairs(arg_shapes, 8))
 
 
+# ------------------------------------------------------------- KV caches
+def _kvcache_impl(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
+                  scale, softcap, window_left, window_right, q_pack,
+                  num_splits):
+  return primitives.kvcache_fwd(
+      q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
+      scale=scale, softcap=softcap, window_left=window_left,
+      window_right=window_right, q_pack=q_pack, num_splits=num_splits)
+
+
+def _kvcache_shardings(plan, paged):
+  """Batch and heads (whole GQA groups); a paged pool splits over heads
+  only (page ids index the whole pool)."""
+  b, n = _entry(plan.b), _entry(plan.n)
+  cache = plan.ns(None, None, n, None) if paged else plan.kv
+  outs = (plan.ns(b, None, None, n, None), plan.ns(b, None, n, None))
+  return outs, (plan.q, cache, cache, plan.lens, plan.lens, plan.lens,
+                plan.ns(b, None))
+
+
+def _kvcache_partition(*a):
+  static, (mesh, arg_shapes, _) = a[:6], a[6:]
+  plan = _plan(arg_shapes, mesh, ring=False)
+  outs, args = _kvcache_shardings(plan, arg_shapes[6].shape[1] > 0)
+  return plan.mesh, partial(_kvcache_impl, **dict(zip(
+      ("scale", "softcap", "window_left", "window_right", "q_pack",
+       "num_splits"), static))), outs, args
+
+
+def _kvcache_rule(ops, *static):
+  rule = _KVCACHE_RULE.replace("C", "c" if ops[6].shape[1] else "b")
+  return _rule(rule, ops, ("t", "h", "s", "p", "z", "c"))
+
+
 # ------------------------------------------------------------ registration
 def _partitioned(impl, n_static, partition, outs_of_plan, rule, plan_kw,
                  n_per_batch=None):
@@ -401,6 +440,22 @@ _fp8 = _partitioned(
     lambda ops, scale, wl, wr, dt, vt: _rule(_FP8_FWD_RULE, ops,
                                              _SEQ_REPLICATED, vt),
     lambda shapes, *s: dict(ring=False))
+
+
+_kvcache = _partitioned(
+    _kvcache_impl, 6, _kvcache_partition,
+    lambda plan, *s: _kvcache_shardings(plan, False)[0],
+    _kvcache_rule, lambda shapes, *s: dict(ring=False))
+
+
+def kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table, *,
+                scale, softcap, window_left, window_right, q_pack,
+                num_splits):
+  """Partitioned :func:`primitives.kvcache_fwd` -> ``(out, lse)`` (batch and
+  kv-head sharding)."""
+  return _kvcache(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
+                  static=(float(scale), float(softcap), int(window_left),
+                          int(window_right), int(q_pack), int(num_splits)))
 
 
 def fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,

@@ -189,3 +189,95 @@ def test_demo_generation_agrees_with_the_full_forward(capsys):
   params = nn.unbox(model.init(jax.random.key(0), x, x)["params"])
   assert demo.generate(args, model, params)
   assert "decode logits vs full forward" in capsys.readouterr().out
+
+
+def _runs_kernel_path(fn, *args):
+  return "kvcache_fwd" in str(jax.make_jaxpr(fn)(*args))
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("page_size", [None, 128])
+@pytest.mark.parametrize("Tq,heads", [(1, (8, 2)), (5, (4, 1)), (16, (4, 4)),
+                                      (3, (12, 2))])  # a group of 6: not packed
+def test_kernel_path(splits, page_size, Tq, heads):
+  # bfloat16 at a kernel head dim takes the kernel call (here its pure-JAX
+  # lowering): packed GQA rows, bottom-right positions, split parts merged.
+  N, K = heads
+  B, H, cap = 3, 64, 384
+  q, kc, vc, kn, vn, lens, table = _setup(Tq + N, B, Tq, N, K, H, cap, page_size,
+                                          jnp.bfloat16)
+  fn = lambda *a: jax_fa3.attention_with_kvcache(  # noqa: E731
+      *a[:4], k_new=a[4], v_new=a[5], page_table=a[6], num_splits=splits)
+  assert _runs_kernel_path(fn, q, kc, vc, lens, kn, vn, table)
+  out, kc2, _ = jax.jit(fn)(q, kc, vc, lens, kn, vn, table)
+  want, k_want, _ = _expected(q, kc, vc, kn, vn, lens, table, page_size)
+  close(out, want, rtol=2e-2, atol=2e-2)
+  close(_dense(kc2, table, page_size), k_want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["window", "window_noncausal", "softcap",
+                                  "no_append"])
+def test_kernel_path_variants(kind):
+  B, Tq, N, K, H, cap = 2, 4, 8, 2, 128, 512
+  q, kc, vc, kn, vn, lens, table = _setup(len(kind) + 40, B, Tq, N, K, H, cap, 128,
+                                          jnp.bfloat16)
+  kw, ekw = {}, {}
+  if kind == "no_append":
+    kn = vn = None
+    lens = np.array([0, 300], np.int32)
+  if kind.startswith("window"):
+    kw["local_window_size"] = ekw["window"] = (70, 3)
+  if kind == "window_noncausal":
+    kw["is_causal"] = ekw["causal"] = False
+  if kind == "softcap":
+    kw["softcap"] = ekw["softcap"] = 3.0
+  res = jax_fa3.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn,
+                                       page_table=table, num_splits=2, **kw)
+  out = res if kn is None else res[0]
+  want = _expected(q, kc, vc, kn, vn, lens, table, 128, **ekw)[0]
+  close(out, want, rtol=2e-2, atol=2e-2)
+
+
+def test_page_size_off_the_key_block_takes_the_dense_path():
+  q, kc, vc, _, _, lens, table = _setup(8, 2, 1, 4, 2, 64, 128, 16, jnp.bfloat16)
+  fn = lambda *a: jax_fa3.attention_with_kvcache(*a[:4], page_table=a[4])  # noqa: E731
+  assert not _runs_kernel_path(fn, q, kc, vc, lens, table)
+  pages = jnp.zeros((3, 128, 2, 64), jnp.bfloat16)
+  assert _runs_kernel_path(fn, q, pages, pages, lens, np.array([[0], [2]], np.int32))
+
+
+def test_auto_splits():
+  from jax_fa3.kvcache import auto_splits
+  assert auto_splits(64, 8, 4, 4096, 128, num_sms=132) == 1     # 512 tiles
+  assert auto_splits(1, 8, 4, 131072, 128, num_sms=132) == 16   # 8 tiles
+  assert auto_splits(1, 8, 4, 1024, 128, num_sms=132) == 2      # 8 blocks
+  assert auto_splits(1, 1, 1, 64, 64, num_sms=132) == 1         # one block
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_sharded_batch_and_heads_equal_unsharded(paged):
+  # The kernel call's rule keeps batch and kv-head shards local (no gather
+  # of the cache); the result equals one device's.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  devs = np.array(jax.devices("cpu")[:4]).reshape(2, 2)
+  mesh = Mesh(devs, ("b", "k"))
+  B, Tq, N, K, H, cap = 4, 2, 8, 4, 64, 256
+  q, kc, vc, kn, vn, lens, table = _setup(11, B, Tq, N, K, H, cap, 128 if paged else None,
+                                          jnp.bfloat16)
+  fn = lambda *a: jax_fa3.attention_with_kvcache(  # noqa: E731
+      *a[:4], k_new=a[4], v_new=a[5], page_table=a[6], num_splits=2)
+  want = jax.jit(fn)(q, kc, vc, lens, kn, vn, table)
+  heads = NamedSharding(mesh, P("b", None, "k", None))
+  cache = NamedSharding(mesh, P(None, None, "k", None)) if paged else heads
+  rows = NamedSharding(mesh, P("b"))
+  shard = (heads, cache, cache, rows, heads, heads,
+           NamedSharding(mesh, P("b", None)) if paged else None)
+  args = [x if s is None else jax.device_put(x, s)
+          for x, s in zip((q, kc, vc, lens, kn, vn, table), shard)]
+  f = jax.jit(fn)
+  got = f(*args)
+  for g, w in zip(got, want):
+    close(g, w, rtol=0, atol=0)
+  hlo = f.lower(*args).compile().as_text()
+  gathers = [l for l in hlo.splitlines() if "all-gather(" in l and "bf16[" in l]
+  assert not gathers, gathers  # (the append's scatter gathers int32 indices only)

@@ -23,6 +23,16 @@ SeqLayout<HeadDim> btnh_layout(int seq, int heads, int batch) {
                                         int64_t(seq) * heads * HeadDim));
 }
 
+// The K/V tensors' (rows, batches) as TMA sees them: (s, b), or a paged
+// cache's (page_size, num_pages) (FwdParams::pages).
+struct KvExtent {
+  int rows, batches;
+  template <class Params>
+  CUTE_HOST_DEVICE static KvExtent of(const Params& p) {
+    return p.pages.table != nullptr ? KvExtent{p.pages.page_size, p.pages.num_pages} : KvExtent{p.s, p.b};
+  }
+};
+
 // Thread roles of a kernel with one producer warpgroup (warpgroup 0) and
 // consumer warpgroups after it; one elected thread of the producer's first
 // warp issues the TMA loads.

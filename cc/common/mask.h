@@ -213,31 +213,54 @@ CUTE_DEVICE void mask_rows(TS& scores, TC const& coords, RowInterval&& interval)
   }
 }
 
+// The position of each query row for the position rule: (row >> pack_log2)
+// + offset (FwdParams::q_offset, q_pack_log2). Rows are positions unless a KV
+// cache shifts them (bottom-right alignment) or packs a GQA group's heads as
+// rows (a power of two of them: a shift, where a division's hoisted
+// reciprocal cost the consumers registers).
+struct RowPositions {
+  int offset = 0, pack_log2 = 0;
+  CUTE_HOST_DEVICE int of(int row) const { return (row >> pack_log2) + offset; }
+};
+
 // Forward view: the key blocks query block m_block visits, [n_block_min,
 // n_block_max), visited high to low.
 template <int kBlockM, int kBlockN>
 struct QueryBlockMask {
   MaskRule rule;
   Interval pair_all;  // keys every row of the block sees by segment id
+  RowPositions pos;
   int m_start;  // first query row of the block
   int n_block_min, n_block_max;
 
-  CUTE_DEVICE QueryBlockMask(int m_block, int q_len, int kv_len, int left, int right, PairRuleView pairs = {})
-      : rule{q_len, kv_len, left, right} {
+  CUTE_DEVICE QueryBlockMask(int m_block, int q_len, int kv_len, int left, int right, PairRuleView pairs = {},
+                             RowPositions positions = {})
+      : rule{q_len, kv_len, left, right}, pos(positions) {
     m_start = m_block * kBlockM;
     const int m_end = min(m_start + kBlockM, q_len);
     Interval pair_any;
     pairs.block(m_start, m_start + kBlockM, pair_any, pair_all);
-    const Interval keys = intersect(rule.key_range(m_start, m_end), pair_any);
+    const Interval keys = intersect(rule.key_range(pos.of(m_start), pos.of(m_end - 1) + 1), pair_any);
     const Interval blocks = m_end <= m_start ? Interval{0, 0} : blocks_of<kBlockN>(keys);
     n_block_min = blocks.lo;
     n_block_max = blocks.hi;
   }
   // The view of query block m_block of batch row `batch` (FwdParams-like p).
-  template <bool PairRule = true, class Params>
+  // Positions: the kernel takes KV-cache row positions (FwdParams::q_offset,
+  // q_pack_log2); without, rows are positions at compile time.
+  template <bool PairRule = true, bool Positions = false, class Params>
   CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch, int head) {
     return QueryBlockMask(m_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
-                          p.window_right, PairRuleView::queries<PairRule>(p, batch, head));
+                          p.window_right, PairRuleView::queries<PairRule>(p, batch, head),
+                          Positions ? RowPositions{p.q_offset ? p.q_offset[batch] : 0, p.q_pack_log2} : RowPositions{});
+  }
+
+  // Split-KV (FwdParams::num_splits): part `split` of `splits` visits an
+  // equal share of the key blocks.
+  CUTE_DEVICE void take_split(int split, int splits) {
+    const int lo = n_block_min, len = max(n_block_max - n_block_min, 0);
+    n_block_min = lo + len * split / splits;
+    n_block_max = lo + len * (split + 1) / splits;
   }
 
   CUTE_DEVICE bool empty() const { return n_block_max <= n_block_min; }
@@ -247,8 +270,8 @@ struct QueryBlockMask {
   CUTE_DEVICE bool needs_mask(int n_block) const {
     int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
     return col_last >= rule.kv_len || col_first < pair_all.lo || col_last >= pair_all.hi ||
-           (rule.right >= 0 && col_last > m_start + rule.right) ||
-           (rule.left >= 0 && col_first < m_start + kBlockM - 1 - rule.left);
+           (rule.right >= 0 && col_last > pos.of(m_start) + rule.right) ||
+           (rule.left >= 0 && col_first < pos.of(m_start + kBlockM - 1) - rule.left);
   }
 
   // S tile (rows = queries, cols = keys) of key block n_block; seg: the
@@ -256,7 +279,7 @@ struct QueryBlockMask {
   template <class TS, class TC>
   CUTE_DEVICE void apply(TS& scores, TC const& coords, int n_block, const PairRuleView& pair) const {
     const int col0 = n_block * kBlockN;
-    auto interval = [&](int row) { return rule.keys_of_row(m_start + row, col0); };
+    auto interval = [&](int row) { return rule.keys_of_row(pos.of(m_start + row), col0); };
     if (rule.left >= 0) {
       mask_rows<true>(scores, coords, interval);
     } else {

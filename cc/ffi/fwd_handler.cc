@@ -1,6 +1,7 @@
 // XLA FFI handler for the forward pass: validates what the kernel relies on,
 // fills FwdParams and dispatches to the compiled instantiation. Thin on
 // purpose: shape policy lives in Python, kernels live in cc/fwd.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -78,8 +79,90 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return launch_status(kWho, e->launch(p, stream));
 }
 
+// The KV-cache forward (jax_fa3/kvcache.py): the forward kernels on a
+// contiguous [B, S, K, H] or paged [pages, page_size, K, H] cache, queries at
+// positions q_offset[b] + row / q_pack, split-KV into num_splits parts whose
+// O [B, splits, T, N, H] and LSE [B, splits, N, T] the caller merges.
+ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> page_table,
+                          ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
+                          float softcap, int32_t window_left, int32_t window_right, int32_t q_pack,
+                          int32_t num_splits) {
+  constexpr const char* who = "jax_fa3_kvcache_fwd";
+  if (!all_rank4(q, k, v)) { return invalid(who, "q, k_cache, v_cache must be rank 4"); }
+  DType dtype;
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      o->element_type() != q.element_type()) {
+    return invalid(who, "q, the caches and out must share one dtype");
+  }
+  if (!to_dtype(q.element_type(), &dtype)) { return invalid(who, "dtype must be bfloat16 or float16"); }
+  FwdParams p;
+  set_dims(p, q, k);
+  auto kd = k.dimensions(), vd = v.dimensions(), pd = page_table.dimensions();
+  const bool paged = page_table.element_count() != 0;
+  if (!std::equal(kd.begin(), kd.end(), vd.begin()) || kd[3] != p.d || p.kh == 0 || p.n % p.kh != 0) {
+    return invalid(who, "inconsistent q/cache shapes");
+  }
+  if (paged) {
+    if (pd.size() != 2 || pd[0] != p.b || kd[0] < 1) { return invalid(who, "page_table must be [B, pages_per_row]"); }
+    p.pages = {page_table.typed_data(), int(pd[1]), int(kd[1]), int(kd[0])};
+    p.s = int(pd[1] * kd[1]);  // a row's capacity
+  } else if (kd[0] != p.b) {
+    return invalid(who, "a contiguous cache must have q's batch");
+  }
+  if (!lens_match(q_lens, kv_lens, p.b) || q_offset.element_count() != size_t(p.b)) {
+    return invalid(who, "q_lens, kv_lens, q_offset must have shape [B]");
+  }
+  if (q_pack < 1 || (q_pack & (q_pack - 1)) != 0 || num_splits < 1) {
+    return invalid(who, "q_pack must be a power of two and num_splits >= 1");
+  }
+  auto od = o->dimensions();
+  if (od.size() != 5 || od[0] != p.b || od[1] != num_splits || od[2] != p.t || od[3] != p.n || od[4] != p.d) {
+    return invalid(who, "out must be [B, num_splits, T, N, H]");
+  }
+  if (p.b == 0 || p.t == 0 || p.n == 0) { return ffi::Error::Success(); }
+  p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
+  p.o = o->untyped_data(); p.lse = lse->typed_data();
+  p.q_lens = q_lens.typed_data(); p.kv_lens = kv_lens.typed_data();
+  p.q_offset = q_offset.typed_data();
+  while ((1 << p.q_pack_log2) < q_pack) { ++p.q_pack_log2; }
+  p.num_splits = num_splits;
+  p.scale = scale; p.softcap = softcap;
+  // Positions reach s + t (q_offset <= s): a side that long is unbounded.
+  p.window_left = clamp_window(window_left, p.s + p.t);
+  p.window_right = clamp_window(window_right, p.s);
+  p.num_sms = sm_count();
+  const FwdKernelEntry* e = find_kernel(dtype, p.d, "default");
+  if (e == nullptr) {
+    return invalid(who, "head dim " + std::to_string(p.d) + " with this dtype was not compiled");
+  }
+  return launch_status(who, e->launch(p, stream));
+}
+
 }  // namespace
 }  // namespace jax_fa3
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3KvcacheFwd, jax_fa3::KvcacheFwdImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // q [B, T, N, H]
+        .Arg<ffi::AnyBuffer>()         // k_cache
+        .Arg<ffi::AnyBuffer>()         // v_cache
+        .Arg<ffi::Buffer<ffi::S32>>()  // q_lens [B]
+        .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [B]
+        .Arg<ffi::Buffer<ffi::S32>>()  // q_offset [B]
+        .Arg<ffi::Buffer<ffi::S32>>()  // page_table [B, pages_per_row] or empty
+        .Ret<ffi::AnyBuffer>()         // out [B, num_splits, T, N, H]
+        .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, num_splits, N, T]
+        .Attr<float>("scale")
+        .Attr<float>("softcap")
+        .Attr<int32_t>("window_left")
+        .Attr<int32_t>("window_right")
+        .Attr<int32_t>("q_pack")
+        .Attr<int32_t>("num_splits"),
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3Fwd, jax_fa3::FwdImpl,
@@ -106,6 +189,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 // C entry points for the Python binding (kept free of Python so the heavy
 // library is built once and shared by every interpreter version).
 JAX_FA3_EXPORT void* jax_fa3_fwd_handler() { return reinterpret_cast<void*>(JaxFa3Fwd); }
+JAX_FA3_EXPORT void* jax_fa3_kvcache_fwd_handler() { return reinterpret_cast<void*>(JaxFa3KvcacheFwd); }
 JAX_FA3_EXPORT int jax_fa3_num_fwd_kernels() { return jax_fa3::kNumFwdKernels; }
 // Reports only default-variant kernels: those are what Python may dispatch to.
 JAX_FA3_EXPORT int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim) {

@@ -28,6 +28,7 @@ using namespace cute;
 template <class ElementO_, int HeadDim, bool VtInGmem = false>
 struct Fp8FwdTraits {
   static constexpr bool kVtInGmem = VtInGmem;
+  static constexpr bool kPagedKV = false;  // contiguous K/V only (fwd/producer.h)
   using Element = cutlass::float_e4m3_t;
   using ElementO = ElementO_;
   using ElementAccum = float;

@@ -94,7 +94,7 @@ struct Epilogue {
     cutlass::arch::NamedBarrier::sync(kWGThreads, kBarrierStoreO + wg);
 
     if (issuer) {
-      Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
+      Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b * p.num_splits));
       Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<Int<kRowsPerWG>, Int<kHeadDim>>{},
                              make_coord(tile.m_block * (kBlockM / kRowsPerWG) + wg, _0{}));
       Tensor sOw = local_tile(sO, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{}, make_coord(wg, _0{}));

@@ -29,6 +29,15 @@ struct FwdKernelParams {
   typename Traits::TmaO tma_o;
 };
 
+// The key blocks a tile visits (producer and consumers build the same view).
+template <class Traits>
+CUTE_DEVICE QueryBlockMask<Traits::kBlockM, Traits::kBlockN> tile_mask(const FwdParams& p, const WorkTile& tile) {
+  auto mask = QueryBlockMask<Traits::kBlockM, Traits::kBlockN>::template of<Traits::kPairRule, Traits::kKvCache>(
+      p, tile.m_block, data_batch(p, tile.batch), tile.head);
+  if (p.num_splits > 1) { mask.take_split(tile.batch % p.num_splits, p.num_splits); }
+  return mask;
+}
+
 template <class Traits, class Scheduler>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
@@ -67,8 +76,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       auto state_q = cutlass::make_producer_start_state<PipelineQ>();
       auto state_kv = cutlass::make_producer_start_state<PipelineKV>();
       for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-        const auto mask = QueryBlockMask<kBlockM, kBlockN>::of<Traits::kPairRule>(p, tile.m_block, tile.batch, tile.head);
-        producer.load_tile(tile, mask, pipe_q, state_q, pipe_k, pipe_v, state_kv);
+        producer.load_tile(tile, tile_mask<Traits>(p, tile), pipe_q, state_q, pipe_k, pipe_v, state_kv);
       }
       // Do not retire while loads this thread issued could still be landing.
       pipe_k.producer_tail(state_kv);
@@ -88,8 +96,8 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     const float raw_to_x = softcap ? p.scale / p.softcap : 1.f;
     const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-      const int q_len = min(p.q_lens[tile.batch], p.t);
-      const auto mask = QueryBlockMask<kBlockM, kBlockN>::of<Traits::kPairRule>(p, tile.m_block, tile.batch, tile.head);
+      const int q_len = min(p.q_lens[data_batch(p, tile.batch)], p.t);
+      const auto mask = tile_mask<Traits>(p, tile);
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax(scale_log2);
@@ -107,7 +115,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
         }
       };
       auto pairs = [&p, batch = tile.batch, head = tile.head] {
-        return PairRuleView::queries<Traits::kPairRule>(p, batch, head);
+        return PairRuleView::queries<Traits::kPairRule>(p, data_batch(p, batch), head);
       };
       mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, pairs, softcap, raw_to_x, pipe_k, pipe_v, state_kv,
                    softmax, acc_o, release_q);
@@ -136,13 +144,18 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraits<Element, HeadDim, Tile>;
   using Scheduler = PersistentTileScheduler;
   if (!Traits::kPairRule && p.pair.q_spans != nullptr) { return cudaErrorInvalidValue; }  // never ignore the rule
+  if (!Traits::kKvCache && (p.q_offset != nullptr || p.pages.table != nullptr)) { return cudaErrorInvalidValue; }
+  if (p.pages.table != nullptr && (p.pages.page_size % Traits::kBlockN != 0 || p.pages.num_pages < 1)) {
+    return cudaErrorInvalidValue;  // a key block must not straddle pages
+  }
   auto layout = btnh_layout<HeadDim>;
+  const KvExtent kv = KvExtent::of(p);
   FwdKernelParams<Traits> kp{
       p,
       Traits::make_tma_q(static_cast<const Element*>(p.q), layout(p.t, p.n, p.b)),
-      Traits::make_tma_kv(static_cast<const Element*>(p.k), layout(p.s, p.kh, p.b)),
-      Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
-      Traits::make_tma_o(static_cast<Element*>(p.o), layout(p.t, p.n, p.b)),
+      Traits::make_tma_kv(static_cast<const Element*>(p.k), layout(kv.rows, p.kh, kv.batches)),
+      Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(kv.rows, p.kh, kv.batches)),
+      Traits::make_tma_o(static_cast<Element*>(p.o), layout(p.t, p.n, p.b * p.num_splits)),
   };
   return launch_kernel(fwd_kernel<Traits, Scheduler>, Scheduler::grid(p, Traits::kBlockM), Traits::kNumThreads,
                        Traits::kSmemBytes, stream, kp);

@@ -40,6 +40,16 @@ struct PairRuleParams {
   int mask_b = 1, mask_n = 1, mask_kh = 1;  // mask extents (1: broadcast); ids: b, 1, 1
 };
 
+// Where the keys of a KV cache live (the KV-cache entry point): key block j
+// of batch row b is block (j % per_page) of page
+// table[b * pages_per_row + j / per_page] of a [num_pages, page_size, kh, d]
+// cache (per_page = page_size / kBlockN; page ids clamped to the cache). A
+// contiguous [b, s, kh, d] cache has no table: block j of batch b.
+struct PagedKV {
+  const int32_t* table = nullptr;  // [b, pages_per_row]
+  int pages_per_row = 0, page_size = 0, num_pages = 0;
+};
+
 struct FwdParams {
   // BTNH tensors, contiguous (XLA's default row-major layout).
   const void* q = nullptr;   // [b, t, n, d]
@@ -53,6 +63,18 @@ struct FwdParams {
   // softmax (attention sinks); null: none.
   const float* sinks = nullptr;
   PairRuleParams pair;
+  // Query row i of batch b sits at position q_offset[b] + (i >> q_pack_log2)
+  // for the position rule (null: position i). KV caches align queries
+  // bottom-right this way; q_pack_log2 > 0 stacks a kv head's query heads as
+  // rows (GQA packing: one K/V read serves the group).
+  const int32_t* q_offset = nullptr;  // [b]
+  int q_pack_log2 = 0;
+  PagedKV pages;
+  // Split-KV: each (query block, head, batch) runs as num_splits parts of its
+  // key blocks; part s of batch b writes O and LSE of batch b * num_splits + s
+  // (o [b * num_splits, t, n, d], lse [b * num_splits, n, t]), normalized
+  // over its own keys; the caller merges them by their LSE.
+  int num_splits = 1;
 
   int b = 0, t = 0, s = 0, n = 0, kh = 0, d = 0;
   float scale = 1.f;

@@ -30,19 +30,24 @@ struct ProducerLoad {
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
     Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
-    Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.s, Int<kHeadDim>{}, p.kh, p.b));
-    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.s, Int<kHeadDim>{}, p.kh, p.b));
-    const int kv_head = tile.head / (p.n / p.kh);  // GQA/MQA: index map, no copy
-    Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+    const int batch = data_batch(p, tile.batch);
+    Tensor gQ = local_tile(mQ(_, _, tile.head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                            make_coord(tile.m_block, _0{}));
-    Tensor gK = local_tile(mK(_, _, kv_head, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(_, _0{}));  // (BN, D, n_blocks)
-    Tensor gV = local_tile(mV(_, _, kv_head, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(_, _0{}));
     auto [tQgQ, tQsQ] = tma_views(params.tma_q, sQ, gQ);
-    auto [tKgK, tKsK] = tma_views(params.tma_k, sK, gK);
-    auto [tVgV, tVsV] = tma_views(params.tma_v, sV, gV);
-    return cute::make_tuple(tQgQ, tQsQ, tKgK, tKsK, tVgV, tVsV);
+    return cute::make_tuple(tQgQ, tQsQ, kv_views(params.tma_k, sK, tile, batch), kv_views(params.tma_v, sV, tile, batch));
+  }
+
+  // TMA views of the K or V blocks of one cache batch (or page) `where`:
+  // (global (.., n_blocks), shared (.., stages)).
+  template <class Tma, class TS>
+  CUTE_DEVICE auto kv_views(const Tma& tma, const TS& s, const WorkTile& tile, int where) const {
+    const FwdParams& p = params.fwd;
+    const KvExtent kv = KvExtent::of(p);
+    Tensor m = tma.get_tma_tensor(make_shape(kv.rows, Int<kHeadDim>{}, p.kh, kv.batches));
+    const int kv_head = tile.head / (p.n / p.kh);  // GQA/MQA: index map, no copy
+    Tensor g = local_tile(m(_, _, kv_head, where), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                          make_coord(_, _0{}));  // (BN, D, n_blocks)
+    return tma_views(tma, s, g);
   }
 
   template <class Views, class PipelineQ, class StateQ>
@@ -54,15 +59,15 @@ struct ProducerLoad {
   }
 
   // One K/V block into the next ring stage (K and V on separate barriers).
-  template <class Views, class PipelineKV, class StateKV>
-  CUTE_DEVICE void load_kv(const Views& v, int n_block, PipelineKV& pipe_k, PipelineKV& pipe_v,
+  template <class KViews, class VViews, class PipelineKV, class StateKV>
+  CUTE_DEVICE void load_kv(const KViews& k, const VViews& v, int n_block, PipelineKV& pipe_k, PipelineKV& pipe_v,
                            StateKV& state_kv) const {
     pipe_k.producer_acquire(state_kv);
     copy(params.tma_k.with(*pipe_k.producer_get_barrier(state_kv)),
-         get<2>(v)(_, n_block), get<3>(v)(_, state_kv.index()));
+         get<0>(k)(_, n_block), get<1>(k)(_, state_kv.index()));
     pipe_v.producer_acquire(state_kv);
     copy(params.tma_v.with(*pipe_v.producer_get_barrier(state_kv)),
-         get<4>(v)(_, n_block), get<5>(v)(_, state_kv.index()));
+         get<0>(v)(_, n_block), get<1>(v)(_, state_kv.index()));
     ++state_kv;
   }
 
@@ -73,8 +78,41 @@ struct ProducerLoad {
                              PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv) const {
     auto v = views(tile, state_q.index());
     load_q(v, pipe_q, state_q);
+    const PagedKV& pages = params.fwd.pages;
+    if (!Traits::kPagedKV || pages.table == nullptr) {
+      for (int n_block = mask.n_block_max - 1; n_block >= mask.n_block_min; --n_block) {
+        load_kv(get<2>(v), get<3>(v), n_block, pipe_k, pipe_v, state_kv);
+      }
+      return;
+    }
+    if constexpr (Traits::kPagedKV) { load_pages(tile, mask, pipe_k, pipe_v, state_kv); }
+  }
+
+  // A paged cache: each block is loaded through the views of its page.
+  template <class PipelineKV, class StateKV>
+  CUTE_DEVICE void load_pages(const WorkTile& tile, const QueryBlockMask<kBlockM, kBlockN>& mask,
+                              PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv) const {
+    const PagedKV& pages = params.fwd.pages;
+    const int per_page = pages.page_size / kBlockN;
+    const int32_t* row = pages.table + int64_t(data_batch(params.fwd, tile.batch)) * pages.pages_per_row;
     for (int n_block = mask.n_block_max - 1; n_block >= mask.n_block_min; --n_block) {
-      load_kv(v, n_block, pipe_k, pipe_v, state_kv);
+      const int page = min(max(__ldg(row + n_block / per_page), 0), pages.num_pages - 1);
+      const int blk = n_block % per_page;
+      pipe_k.producer_acquire(state_kv);
+      {
+        Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+        auto k = kv_views(params.tma_k, sK, tile, page);
+        copy(params.tma_k.with(*pipe_k.producer_get_barrier(state_kv)), get<0>(k)(_, blk),
+             get<1>(k)(_, state_kv.index()));
+      }
+      pipe_v.producer_acquire(state_kv);
+      {
+        Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+        auto v = kv_views(params.tma_v, sV, tile, page);
+        copy(params.tma_v.with(*pipe_v.producer_get_barrier(state_kv)), get<0>(v)(_, blk),
+             get<1>(v)(_, state_kv.index()));
+      }
+      ++state_kv;
     }
   }
 };

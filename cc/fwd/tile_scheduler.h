@@ -17,10 +17,16 @@
 
 namespace jax_fa3 {
 
+// batch: with split-KV (FwdParams::num_splits) the part's row of O and LSE,
+// b * num_splits + part (data_batch() gives b).
 struct WorkTile {
   int m_block, head, batch;
   bool valid;
 };
+
+CUTE_HOST_DEVICE int data_batch(const FwdParams& p, int batch) {
+  return p.num_splits == 1 ? batch : batch / p.num_splits;
+}
 
 struct PersistentTileScheduler {
   int num_m, num_heads;
@@ -33,8 +39,9 @@ struct PersistentTileScheduler {
   }
   CUTE_HOST_DEVICE static int num_units_of(const FwdParams& p, int block_m) {
     const int num_m = (p.t + block_m - 1) / block_m;
-    if (causal_like(p)) { return (num_m + 1) / 2 * p.n * p.b; }
-    return num_m * p.n * p.b;
+    const int batches = p.b * p.num_splits;
+    if (causal_like(p)) { return (num_m + 1) / 2 * p.n * batches; }
+    return num_m * p.n * batches;
   }
   static dim3 grid(const FwdParams& p, int block_m) {
     long long units = num_units_of(p, block_m);

@@ -54,16 +54,21 @@ struct FwdTraits {
   // One producer warpgroup (only one warp of it issues TMA) and kBlockM / 64
   // consumer warpgroups, each owning 64 rows of the Q tile.
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  // Serves KV caches too (row positions, paged K/V loads: FwdParams::q_offset,
+  // pages); the 192-row tile is the handler's pick for long training shapes only.
+  static constexpr bool kKvCache = kNumMmaWarpGroups < 3;
+  static constexpr bool kPagedKV = kKvCache;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   // setmaxnreg budgets. The CTA starts at 168 regs/thread (65536 / 384); the
   // pool freed by the producer (168 - P) * 128 must cover the consumers' raise
-  // (C - 168) * 256. P = 32 keeps the producer's TMA loop spill-free; head dims
-  // >= 192 (a 64 x d fp32 O accumulator of 96+ registers) take P = 24, C = 240
-  // and accept one producer spill to relieve the consumers.
+  // (C - 168) * 256. P = 40, all that C = 232 leaves, keeps the producer's TMA
+  // loops (paged ones too) nearly spill-free; head dims >= 192 (a 64 x d fp32 O
+  // accumulator of 96+ registers) take P = 24, C = 240 and accept producer
+  // spills (one thread, off the tensor cores' path) to relieve the consumers.
   // Three consumer warpgroups (512 threads, 128 regs each at launch) take
   // P = 24, C = 160: 24 * 128 + 160 * 384 <= 65536.
-  static constexpr int kProducerRegs = (kNumMmaWarpGroups == 3 || HeadDim >= 192) ? 24 : 32;
+  static constexpr int kProducerRegs = (kNumMmaWarpGroups == 3 || HeadDim >= 192) ? 24 : 40;
   static constexpr int kConsumerRegs = kNumMmaWarpGroups == 3 ? 160 : HeadDim >= 192 ? 240 : 232;
   // setmaxnreg only moves registers inside the CTA's pool (launch-bound
   // registers x threads): a larger total makes the consumers' increase wait

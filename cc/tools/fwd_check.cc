@@ -7,6 +7,7 @@
 // Exit status 0 iff every case matches, is NaN-free and bit-reproducible.
 //   jax_fa3_fwd_check --time B,T,N,D,CAUSAL [--iters 20]
 // times one shape with CUDA events (no check): a target for `ncu`.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -39,7 +40,19 @@ struct Case {
   bool scattered = false;  // ids at random instead of contiguous documents
   bool as_mask = false;    // the same rule given as a boolean mask
   bool sinks = false;      // a per-head sink logit joins every row's softmax
+  // KV-cache calls (kv_pack > 0, a power of two): rows at positions
+  // kv_len - t / kv_pack + i / kv_pack (bottom-right, kv_pack rows per position), split-KV into kv_splits parts merged
+  // here, a paged cache of kv_page-key pages (0: contiguous) behind a shuffled table
+  // whose unused pages hold NaN.
+  int kv_pack = 0, kv_splits = 1, kv_page = 0;
 };
+
+Case kv_case(int b, int t, int s, int kh, bool causal, int pack, int splits, int page, int left = -1, int n = 0) {
+  Case c{b, t, s, n ? n : kh, kh, causal, left};
+  c.lens = true;
+  c.kv_pack = pack; c.kv_splits = splits; c.kv_page = page;
+  return c;
+}
 
 // Sink logits around the scores' range, one far above it (the sink dominates).
 float sink_of(int h) { return h == 1 ? 6.f : 0.7f * h - 1.f; }
@@ -47,17 +60,41 @@ float sink_of(int h) { return h == 1 ? 6.f : 0.7f * h - 1.f; }
 struct Result { double max_err_o, max_err_lse; bool nan, repro, skipped = false; };
 
 Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t seed) {
-  const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
+  const bool kv = c.kv_pack > 0, paged = kv && c.kv_page > 0;
+  const int ns = kv ? c.kv_splits : 1;
+  const int ppr = paged ? (c.s + c.kv_page - 1) / c.kv_page : 0, num_pages = paged ? c.b * ppr + 2 : 0;
+  const size_t nq = size_t(c.b) * c.t * c.n * d;
+  const size_t nk = paged ? size_t(num_pages) * c.kv_page * c.kh * d : size_t(c.b) * c.s * c.kh * d;
+  const size_t nlse = size_t(c.b) * c.n * c.t;
   NormalRng rng(seed);
   auto dec = [&](uint16_t h) { return check_util::from_half(h, bf16); };
   std::vector<uint16_t> hq(nq), hk(nk), hv(nk);
   fill_normal(hq, rng, bf16);
   fill_normal(hk, rng, bf16);
   fill_normal(hv, rng, bf16);
-  std::vector<int32_t> qlen, kvlen;
+  std::vector<int32_t> qlen, kvlen, table, offset(c.b, 0);
   case_lengths(c.b, c.t, c.s, c.lens, qlen, kvlen);
+  if (kv) {
+    for (int b = 0; b < c.b; ++b) { qlen[b] = c.t; offset[b] = kvlen[b] - c.t / c.kv_pack; }
+  }
+  if (paged) {  // a shuffled table over all but two pages; those two hold NaN
+    table.resize(size_t(c.b) * ppr);
+    for (int i = 0; i < int(table.size()); ++i) table[i] = i;
+    for (int i = int(table.size()) - 1; i > 0; --i) std::swap(table[i], table[rng.gen() % (i + 1)]);
+    for (int pg = 0; pg < num_pages; ++pg) {
+      if (std::find(table.begin(), table.end(), pg) != table.end()) continue;
+      const size_t span = size_t(c.kv_page) * c.kh * d;
+      std::fill(hk.begin() + pg * span, hk.begin() + (pg + 1) * span, uint16_t(0xFFFF));
+      std::fill(hv.begin() + pg * span, hv.begin() + (pg + 1) * span, uint16_t(0xFFFF));
+    }
+  }
+  auto kv_at = [&](int b, int j, int h) -> size_t {  // element offset of key j, kv head h
+    if (!paged) return ((size_t(b) * c.s + j) * c.kh + h) * d;
+    const size_t page = size_t(table[size_t(b) * ppr + j / c.kv_page]);
+    return ((page * c.kv_page + j % c.kv_page) * c.kh + h) * d;
+  };
 
-  void *dq, *dk, *dv, *dout; float *dlse, *dsinks = nullptr; int32_t *dql, *dkl;
+  void *dq, *dk, *dv, *dout; float *dlse, *dsinks = nullptr; int32_t *dql, *dkl, *doff = nullptr, *dtab = nullptr;
   std::vector<float> hsinks(c.n);
   for (int h = 0; h < c.n; ++h) hsinks[h] = sink_of(h);
   if (c.sinks) {
@@ -65,21 +102,36 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
     CHECK_CUDA(cudaMemcpy(dsinks, hsinks.data(), c.n * 4, cudaMemcpyHostToDevice));
   }
   CHECK_CUDA(cudaMalloc(&dq, nq * 2)); CHECK_CUDA(cudaMalloc(&dk, nk * 2));
-  CHECK_CUDA(cudaMalloc(&dv, nk * 2)); CHECK_CUDA(cudaMalloc(&dout, nq * 2));
-  CHECK_CUDA(cudaMalloc((void**)&dlse, size_t(c.b) * c.n * c.t * 4));
+  CHECK_CUDA(cudaMalloc(&dv, nk * 2)); CHECK_CUDA(cudaMalloc(&dout, nq * ns * 2));
+  CHECK_CUDA(cudaMalloc((void**)&dlse, nlse * ns * 4));
   CHECK_CUDA(cudaMalloc((void**)&dql, c.b * 4)); CHECK_CUDA(cudaMalloc((void**)&dkl, c.b * 4));
   CHECK_CUDA(cudaMemcpy(dq, hq.data(), nq * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dv, hv.data(), nk * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dql, qlen.data(), c.b * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dkl, kvlen.data(), c.b * 4, cudaMemcpyHostToDevice));
+  if (kv) {
+    CHECK_CUDA(cudaMalloc((void**)&doff, c.b * 4));
+    CHECK_CUDA(cudaMemcpy(doff, offset.data(), c.b * 4, cudaMemcpyHostToDevice));
+  }
+  if (paged) {
+    CHECK_CUDA(cudaMalloc((void**)&dtab, table.size() * 4));
+    CHECK_CUDA(cudaMemcpy(dtab, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  }
+  auto free_all = [&] {
+    cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
+    cudaFree(dsinks); cudaFree(doff); cudaFree(dtab);
+  };
 
   jax_fa3::FwdParams p;
   p.q = dq; p.k = dk; p.v = dv; p.o = dout; p.lse = dlse; p.q_lens = dql; p.kv_lens = dkl;
   p.sinks = dsinks;
-  p.b = c.b; p.t = c.t; p.s = c.s; p.n = c.n; p.kh = c.kh; p.d = d;
+  p.b = c.b; p.t = c.t; p.s = paged ? ppr * c.kv_page : c.s; p.n = c.n; p.kh = c.kh; p.d = d;
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
+  p.q_offset = doff; p.num_splits = ns;
+  while (kv && (1 << p.q_pack_log2) < c.kv_pack) { ++p.q_pack_log2; }
+  if (paged) { p.pages = {dtab, ppr, c.kv_page, num_pages}; }
   const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
   seg.attach(p.pair);
 
@@ -87,38 +139,67 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
   std::vector<float> lse[2];
   for (int rep = 0; rep < 2; ++rep) {
     // Poison: every output element must be written by the kernel.
-    CHECK_CUDA(cudaMemset(dout, 0xFF, nq * 2));
-    CHECK_CUDA(cudaMemset(dlse, 0xFF, size_t(c.b) * c.n * c.t * 4));
+    CHECK_CUDA(cudaMemset(dout, 0xFF, nq * ns * 2));
+    CHECK_CUDA(cudaMemset(dlse, 0xFF, nlse * ns * 4));
     int err = jax_fa3_fwd_launch(&p, bf16 ? 0 : 1, variant, nullptr);
     if (err == -1) {  // this (dtype, head dim, variant) is not compiled
-      cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
-      cudaFree(dsinks);
+      free_all();
       Result skip{0, 0, false, true};
       skip.skipped = true;
       return skip;
     }
     if (err != 0) { std::fprintf(stderr, "launch failed: %d\n", err); std::exit(2); }
     CHECK_CUDA(cudaDeviceSynchronize());
-    out[rep].resize(nq); lse[rep].resize(size_t(c.b) * c.n * c.t);
-    CHECK_CUDA(cudaMemcpy(out[rep].data(), dout, nq * 2, cudaMemcpyDeviceToHost));
+    out[rep].resize(nq * ns); lse[rep].resize(nlse * ns);
+    CHECK_CUDA(cudaMemcpy(out[rep].data(), dout, nq * ns * 2, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(lse[rep].data(), dlse, lse[rep].size() * 4, cudaMemcpyDeviceToHost));
   }
-  cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
-  cudaFree(dsinks);
+  free_all();
 
   Result r{0, 0, false, out[0] == out[1] && std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * 4) == 0};
+  // The parts of a split call merged by their LSE (+inf: a part without keys).
+  std::vector<double> got_o(nq, 0.0), got_lse(nlse, INFINITY);
+  for (int b = 0; b < c.b; ++b)
+    for (int h = 0; h < c.n; ++h)
+      for (int i = 0; i < c.t; ++i) {
+        auto lse_of = [&](int z) { return double(lse[0][((size_t(b) * ns + z) * c.n + h) * c.t + i]); };
+        auto o_of = [&](int z, int x) {
+          return double(dec(out[0][(((size_t(b) * ns + z) * c.t + i) * c.n + h) * d + x]));
+        };
+        double m = -INFINITY;
+        for (int z = 0; z < ns; ++z) {
+          const double l = lse_of(z);
+          if (std::isnan(l)) r.nan = true;
+          if (!std::isinf(l)) m = std::max(m, l);
+        }
+        double total = 0;
+        for (int z = 0; z < ns; ++z) total += std::isinf(lse_of(z)) ? 0.0 : std::exp(lse_of(z) - m);
+        const size_t li = (size_t(b) * c.n + h) * c.t + i;
+        if (total > 0) got_lse[li] = m + std::log(total);
+        else if (ns == 1) got_lse[li] = lse_of(0);
+        for (int x = 0; x < d; ++x) {
+          double o = 0;
+          for (int z = 0; z < ns; ++z) {
+            const double oz = o_of(z, x);
+            if (std::isnan(oz)) r.nan = true;
+            o += total > 0 && !std::isinf(lse_of(z)) ? std::exp(lse_of(z) - m) / total * oz : (ns == 1 ? oz : 0.0);
+          }
+          got_o[(size_t(b) * c.t + i) * c.n * d + size_t(h) * d + x] = o;
+        }
+      }
   const int group = c.n / c.kh;
   std::vector<double> sc(c.s);
   for (int b = 0; b < c.b; ++b)
     for (int h = 0; h < c.n; ++h)
       for (int i = 0; i < c.t; ++i) {
         const uint16_t* qi = &hq[((size_t(b) * c.t + i) * c.n + h) * d];
+        const int pos = kv ? offset[b] + i / c.kv_pack : i;
         double mx = -INFINITY;
         for (int j = 0; j < c.s; ++j) {
-          bool vis = i < qlen[b] && j < kvlen[b] && (c.left < 0 || j >= i - c.left) &&
-                     (p.window_right < 0 || j <= i + p.window_right) && seg.same(b, i, j);
+          bool vis = i < qlen[b] && j < kvlen[b] && (c.left < 0 || j >= pos - c.left) &&
+                     (p.window_right < 0 || j <= pos + p.window_right) && seg.same(b, i, j);
           if (!vis) { sc[j] = -INFINITY; continue; }
-          const uint16_t* kj = &hk[((size_t(b) * c.s + j) * c.kh + h / group) * d];
+          const uint16_t* kj = &hk[kv_at(b, j, h / group)];
           double acc = 0;
           for (int x = 0; x < d; ++x) acc += double(dec(qi[x])) * dec(kj[x]);
           acc *= p.scale;
@@ -131,19 +212,19 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
         for (int j = 0; j < c.s; ++j) { sc[j] = std::isinf(sc[j]) ? 0.0 : std::exp(sc[j] - mx); sum += sc[j]; }
         const size_t lse_idx = (size_t(b) * c.n + h) * c.t + i;
         double ref_lse = sum > 0 ? mx + std::log(sum) : INFINITY;
-        float got_lse = lse[0][lse_idx];
-        if (std::isnan(got_lse)) r.nan = true;
-        if (sum > 0) r.max_err_lse = std::max(r.max_err_lse, std::fabs(got_lse - ref_lse));
-        else if (!(std::isinf(got_lse) && got_lse > 0)) r.max_err_lse = INFINITY;
+        const double gl = got_lse[lse_idx];
+        if (std::isnan(gl)) r.nan = true;
+        if (sum > 0) r.max_err_lse = std::max(r.max_err_lse, std::fabs(gl - ref_lse));
+        else if (!(std::isinf(gl) && gl > 0)) r.max_err_lse = INFINITY;
         for (int x = 0; x < d; ++x) {
           double o = 0;
           if (sum > 0)
             for (int j = 0; j < c.s; ++j)
-              if (sc[j] != 0) o += sc[j] * dec(hv[((size_t(b) * c.s + j) * c.kh + h / group) * d + x]);
+              if (sc[j] != 0) o += sc[j] * dec(hv[kv_at(b, j, h / group) + x]);
           o = sum > 0 ? o / sum : 0.0;  // rows with no visible key (or past q_len) are 0
-          float got = dec(out[0][((size_t(b) * c.t + i) * c.n + h) * d + x]);
+          const double got = got_o[(size_t(b) * c.t + i) * c.n * d + size_t(h) * d + x];
           if (std::isnan(got)) r.nan = true;
-          r.max_err_o = std::max(r.max_err_o, std::fabs(double(got) - o));
+          r.max_err_o = std::max(r.max_err_o, std::fabs(got - o));
         }
       }
   return r;
@@ -230,6 +311,13 @@ int main(int argc, char** argv) {
       {2, 77, 133, 4, 2, true, -1, -1, 0.f, false, 0, false, false, true},
       {3, 190, 230, 2, 2, false, -1, -1, 30.f, true, 0, false, false, true},
       {1, 600, 600, 2, 1, true, -1, -1, 0.f, false, 4, false, false, true},
+      // KV caches: decode (a GQA group of 4 or 8 as rows), verification (Tq = 5
+      // of a group of 4: 20 rows), a chunk; contiguous and paged, split-KV,
+      // ragged lengths (incl. rows shorter than the chunk), a window, an unpacked group.
+      kv_case(3, 4, 700, 2, true, 4, 1, 0), kv_case(3, 8, 700, 2, true, 8, 3, 0),
+      kv_case(2, 20, 1100, 2, true, 4, 4, 256), kv_case(2, 4, 900, 1, false, 4, 2, 640),
+      kv_case(2, 160, 600, 2, true, 2, 2, 640), kv_case(2, 20, 1000, 2, true, 4, 3, 0, 300),
+      kv_case(2, 3, 700, 2, true, 1, 2, 256, -1, 6),  // a group of 6 is not packed: heads map to kv heads
   };
   const bool bf16 = dtype == "bf16";
   const double tol_o = bf16 ? 2e-2 : 4e-3;
@@ -238,6 +326,8 @@ int main(int argc, char** argv) {
     for (size_t ci = 0; ci < cases.size(); ++ci) {
       const Case& c = cases[ci];
       if (c.docs > 0 && std::strcmp(variant.c_str(), "m192") == 0) continue;  // takes no segment ids
+      if (c.kv_page % (d >= 192 ? 80 : 128) != 0) continue;  // a page holds whole key blocks (fwd/traits.h)
+      if (c.kv_pack && std::strcmp(variant.c_str(), "m192") == 0) continue;  // training shapes only
       Result r = run_case(c, d, bf16, variant.c_str(), uint32_t(1000 * d + ci));
       if (r.skipped) {
         std::printf("%s d%d: not compiled, skipped\n", dtype.c_str(), d);
@@ -246,9 +336,11 @@ int main(int argc, char** argv) {
       bool ok = !r.nan && r.repro && r.max_err_o <= tol_o && r.max_err_lse <= 1e-3;
       failures += !ok;
       std::printf("%s d%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d docs=%d%s%s  "
-                  "max|dO|=%.2e max|dLSE|=%.2e nan=%d repro=%d  %s\n",
+                  "%s max|dO|=%.2e max|dLSE|=%.2e nan=%d repro=%d  %s\n",
                   dtype.c_str(), d, c.b, c.t, c.s, c.n, c.kh, c.causal, c.left, c.right, c.softcap,
-                  c.lens, c.docs, c.scattered ? "s" : (c.as_mask ? "m" : ""), c.sinks ? " sinks" : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
+                  c.lens, c.docs, c.scattered ? "s" : (c.as_mask ? "m" : ""), c.sinks ? " sinks" : "",
+                  c.kv_pack ? (" kv pack=" + std::to_string(c.kv_pack) + " splits=" + std::to_string(c.kv_splits) +
+                               " page=" + std::to_string(c.kv_page)).c_str() : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
     }
   }
   std::printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
