@@ -18,6 +18,7 @@ from jax_fa3 import primitives
 from jax_fa3.kvcache import KEY_BLOCK
 from fa3_testing import cid, kernel_configs
 from host_reference import FA3_ATOL, assert_fa3_rule, np_dtype
+from test_kvcache import bottom_right_visible
 
 pytestmark = pytest.mark.gpu
 
@@ -71,16 +72,7 @@ def _expected(q, kc, vc, k_new, v_new, lens, table, dtype, *, causal=True,
       k[b, L[b]:L[b] + Tq] = np.asarray(k_new, np.float32)[b]
       v[b, L[b]:L[b] + Tq] = np.asarray(v_new, np.float32)[b]
     L = L + Tq
-  C = k.shape[1]
-  qpos = L[:, None] - Tq + np.arange(Tq)[None]
-  j = np.arange(C)[None, None]
-  vis = j < L[:, None, None]
-  if causal:
-    vis = vis & (j <= qpos[..., None])
-  if window is not None:
-    vis = vis & (j >= qpos[..., None] - window[0])
-    if not causal:
-      vis = vis & (j <= qpos[..., None] + window[1])
+  vis = bottom_right_visible(L, Tq, k.shape[1], causal, window)
   seen = vis.any(-1)[:, :, None, None]  # [B, Tq, 1, 1]: rows that see a key
   # NaN only in pages no row maps; the dense view holds none, but positions
   # past a row's length are real memory: zero them for the references.

@@ -40,6 +40,21 @@ def _dense(cache, table, page_size):
   return cache[table].reshape(table.shape[0], -1, *cache.shape[2:])
 
 
+def bottom_right_visible(L, Tq, C, causal, window):
+  """bool [B, Tq, C]: key j is visible from query i of row b (L[b] keys,
+  query i at position L[b] - Tq + i)."""
+  qpos = L[:, None] - Tq + np.arange(Tq)[None]
+  j = np.arange(C)[None, None]
+  vis = j < L[:, None, None]
+  if causal:
+    vis = vis & (j <= qpos[..., None])
+  if window is not None:
+    vis = vis & (j >= qpos[..., None] - window[0])
+    if not causal:
+      vis = vis & (j <= qpos[..., None] + window[1])
+  return vis
+
+
 def _expected(q, kc, vc, k_new, v_new, lens, table, page_size, *, causal=True,
               window=None, softcap=None, scale=None):
   """jax.nn (xla, f32) on the dense cache with the new rows written and the
@@ -53,15 +68,7 @@ def _expected(q, kc, vc, k_new, v_new, lens, table, page_size, *, causal=True,
       k[b, L[b]:L[b] + Tq] = np.asarray(k_new)[b]
       v[b, L[b]:L[b] + Tq] = np.asarray(v_new)[b]
     L = L + Tq
-  qpos = L[:, None] - Tq + np.arange(Tq)[None]
-  j = np.arange(C)[None, None]
-  vis = j < L[:, None, None]
-  if causal:
-    vis = vis & (j <= qpos[..., None])
-  if window is not None:
-    vis = vis & (j >= qpos[..., None] - window[0])
-    if not causal:
-      vis = vis & (j <= qpos[..., None] + window[1])
+  vis = bottom_right_visible(L, Tq, C, causal, window)
   with jax.default_matmul_precision("highest"):
     s = jnp.einsum("btnh,bsnh->bnts", jnp.asarray(q, jnp.float32),
                    jnp.repeat(jnp.asarray(k, jnp.float32), q.shape[2] // k.shape[2], 2))
@@ -281,3 +288,14 @@ def test_sharded_batch_and_heads_equal_unsharded(paged):
   hlo = f.lower(*args).compile().as_text()
   gathers = [l for l in hlo.splitlines() if "all-gather(" in l and "bf16[" in l]
   assert not gathers, gathers  # (the append's scatter gathers int32 indices only)
+
+
+@pytest.mark.parametrize("page_size", [None, 128])
+def test_donated_caches_update_in_place(page_size):
+  # Under jit with the caches donated, the appended caches alias the inputs:
+  # no copy of either cache is made.
+  q, kc, vc, kn, vn, lens, table = _setup(12, 2, 1, 8, 2, 64, 1024, page_size, jnp.bfloat16)
+  f = jax.jit(lambda *a: jax_fa3.attention_with_kvcache(
+      *a[:4], k_new=a[4], v_new=a[5], page_table=a[6]), donate_argnums=(1, 2))
+  ma = f.lower(q, kc, vc, lens, kn, vn, table).compile().memory_analysis()
+  assert ma.alias_size_in_bytes >= kc.nbytes + vc.nbytes, ma

@@ -37,18 +37,25 @@ const char* pick_variant(const FwdParams& p, DType dtype) {
   return "default";
 }
 
+// What is wrong with q, k, v, out (rank 4, one 16-bit dtype), or nullptr.
+const char* bad_operands(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                         const ffi::AnyBuffer& o, DType* dtype) {
+  if (!all_rank4(q, k, v)) { return "q, k, v must be rank 4"; }
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      o.element_type() != q.element_type()) {
+    return "q, k, v, out must share one dtype";
+  }
+  if (!to_dtype(q.element_type(), dtype)) { return "dtype must be bfloat16 or float16"; }
+  return nullptr;
+}
+
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, Ids q_ids, Ids kv_ids,
                    Ids q_spans, Ids kv_spans, ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    float scale, float softcap, int32_t window_left, int32_t window_right) {
-  if (!all_rank4(q, k, v)) { return invalid(kWho, "q, k, v must be rank 4 [B, T, N, H]"); }
   DType dtype;
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
-      o->element_type() != q.element_type()) {
-    return invalid(kWho, "q, k, v, out must share one dtype");
-  }
-  if (!to_dtype(q.element_type(), &dtype)) { return invalid(kWho, "dtype must be bfloat16 or float16"); }
+  if (const char* why = bad_operands(q, k, v, *o, &dtype)) { return invalid(kWho, why); }
   FwdParams p;
   set_dims(p, q, k);
   auto vd = v.dimensions();
@@ -90,13 +97,8 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           float softcap, int32_t window_left, int32_t window_right, int32_t q_pack,
                           int32_t num_splits) {
   constexpr const char* who = "jax_fa3_kvcache_fwd";
-  if (!all_rank4(q, k, v)) { return invalid(who, "q, k_cache, v_cache must be rank 4"); }
   DType dtype;
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
-      o->element_type() != q.element_type()) {
-    return invalid(who, "q, the caches and out must share one dtype");
-  }
-  if (!to_dtype(q.element_type(), &dtype)) { return invalid(who, "dtype must be bfloat16 or float16"); }
+  if (const char* why = bad_operands(q, k, v, *o, &dtype)) { return invalid(who, why); }
   FwdParams p;
   set_dims(p, q, k);
   auto kd = k.dimensions(), vd = v.dimensions(), pd = page_table.dimensions();
