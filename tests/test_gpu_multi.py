@@ -15,7 +15,9 @@ bf16 with GQA, causal and not.  Forward output and (dq, dk, dv) must
 and the compiled program must show that the layout was served as intended
 (a ring is a collective-permute; batch/head shards need no all-gather).  A
 sharded Flax train step (``demo.make_train_step`` over a data x context mesh)
-must give the single-GPU losses and gradients within bf16 noise.
+must give the single-GPU losses and gradients within bf16 noise.  KV-cache
+decode (``attention_with_kvcache``, batch- or head-sharded, contiguous or
+paged) must give GPU 0's output and caches without gathering the cache.
 
 Cost: every case is one compiled forward+backward program, and the
 references (fp32, XLA bf16, single-GPU kernel) are shared between cases with
@@ -305,3 +307,45 @@ def test_sharded_flax_train_step_matches_single_gpu():
       (float(np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-30)),
        jax.tree_util.keystr(p)) for (p, a), b in zip(leaves, other))
   assert worst[0] < 5e-2, f"gradient rel. error {worst[0]:.3e} at {worst[1]}"
+
+
+# ---------------------------------------------------------------- KV caches
+@pytest.mark.parametrize("layout", ["batch", "heads"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_sharded_matches_single_gpu(layout, paged):
+  # Decode with an append through attention_with_kvcache over all GPUs:
+  # batch or kv heads sharded, the cache (a paged pool: whole per batch
+  # shard) never gathered; equal to GPU 0's result and updated caches.
+  from test_gpu_kvcache import _setup
+  _need_kernel(128)
+  n = len(DEVS)
+  B, K = (2 * n, 2) if layout == "batch" else (2, n)
+  N, H, cap, page = 4 * K, 128, 2048, 256 if paged else None
+  with jax.default_device(DEVS[0]):
+    q, kc, vc, kn, vn, lens, table = _setup(7, jnp.bfloat16, B, 1, N, K, H, cap, page)
+  args = (q, kc, vc, lens, kn, vn, table)
+
+  def call(q, kc, vc, lens, kn, vn, table):
+    return jax_fa3.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn,
+                                          page_table=table, num_splits=3)
+
+  want = [np.asarray(x, np.float32) for x in jax.jit(call)(*args)]
+  mesh = _mesh((n,), ("x",))
+  ns = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+  if layout == "batch":
+    rows, per_row = ns("x", None, None, None), ns("x")
+    cache = ns() if paged else rows
+    tab = ns("x", None)
+  else:
+    rows, per_row = ns(None, None, "x", None), ns()
+    cache, tab = rows, ns()
+  shardings = (rows, cache, cache, per_row, rows, rows, tab if paged else None)
+  xs = [x if s is None else jax.device_put(x, s) for x, s in zip(args, shardings)]
+  f = jax.jit(call)
+  hlo = f.lower(*xs).compile().as_text()
+  gathers = [l for l in hlo.splitlines() if "all-gather(" in l and "bf16[" in l]
+  assert not gathers, gathers[:3]
+  got = [np.asarray(x, np.float32) for x in f(*xs)]
+  assert max_abs_diff(got[0], want[0]) <= 2e-3, layout
+  for g, w in zip(got[1:], want[1:]):  # the caches: exact, NaN pages included
+    np.testing.assert_array_equal(g, w)
