@@ -131,9 +131,9 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   while ((1 << p.q_pack_log2) < q_pack) { ++p.q_pack_log2; }
   p.num_splits = num_splits;
   p.scale = scale; p.softcap = softcap;
-  // Positions reach s + t (q_offset <= s): a side that long is unbounded.
+  // Positions lie in [-t, s + t] (q_offset in [-t, s]): a side that long is unbounded.
   p.window_left = clamp_window(window_left, p.s + p.t);
-  p.window_right = clamp_window(window_right, p.s);
+  p.window_right = clamp_window(window_right, p.s + p.t);
   p.num_sms = sm_count();
   const FwdKernelEntry* e = find_kernel(dtype, p.d, "default");
   if (e == nullptr) {
