@@ -442,10 +442,13 @@ _fp8 = _partitioned(
     lambda shapes, *s: dict(ring=False))
 
 
+# Under vmap the elements run one after another: a paged pool is not per
+# batch row, so folding the vmapped axis into the batch would mix the
+# elements' page ids.
 _kvcache = _partitioned(
     _kvcache_impl, 6, _kvcache_partition,
     lambda plan, *s: _kvcache_shardings(plan, False)[0],
-    _kvcache_rule, lambda shapes, *s: dict(ring=False))
+    _kvcache_rule, lambda shapes, *s: dict(ring=False), n_per_batch=0)
 
 
 def kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table, *,

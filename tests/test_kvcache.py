@@ -299,3 +299,18 @@ def test_donated_caches_update_in_place(page_size):
       *a[:4], k_new=a[4], v_new=a[5], page_table=a[6]), donate_argnums=(1, 2))
   ma = f.lower(q, kc, vc, lens, kn, vn, table).compile().memory_analysis()
   assert ma.alias_size_in_bytes >= kc.nbytes + vc.nbytes, ma
+
+
+@pytest.mark.parametrize("page_size", [None, 128])
+def test_vmap_equals_a_loop(page_size):
+  # vmap over independent caches (each element its own pool and table).
+  ins = [_setup(20 + i, 2, 2, 8, 2, 64, 256, page_size, jnp.bfloat16) for i in range(3)]
+  fn = lambda q, kc, vc, l, kn, vn, t: jax_fa3.attention_with_kvcache(  # noqa: E731
+      q, kc, vc, l, k_new=kn, v_new=vn, page_table=t, num_splits=2)
+  stack = [None if x[0] is None else jnp.stack(x) for x in zip(*ins)]
+  order = (0, 1, 2, 5, 3, 4, 6)  # _setup's order -> fn's
+  got = jax.vmap(fn)(*[stack[i] for i in order])
+  for e, one in enumerate(ins):
+    want = fn(*[one[i] for i in order])
+    for g, w in zip(got, want):
+      close(g[e], w, rtol=0, atol=0)
