@@ -363,13 +363,14 @@ def _kvcache_shardings(plan, paged):
                 plan.ns(b, None))
 
 
-def _kvcache_partition(*a):
-  static, (mesh, arg_shapes, _) = a[:6], a[6:]
+def _kvcache_partition(scale, softcap, window_left, window_right, q_pack,
+                       num_splits, mesh, arg_shapes, result_shape):
   plan = _plan(arg_shapes, mesh, ring=False)
   outs, args = _kvcache_shardings(plan, arg_shapes[6].shape[1] > 0)
-  return plan.mesh, partial(_kvcache_impl, **dict(zip(
-      ("scale", "softcap", "window_left", "window_right", "q_pack",
-       "num_splits"), static))), outs, args
+  local = partial(_kvcache_impl, scale=scale, softcap=softcap,
+                  window_left=window_left, window_right=window_right,
+                  q_pack=q_pack, num_splits=num_splits)
+  return plan.mesh, local, outs, args
 
 
 def _kvcache_rule(ops, *static):
