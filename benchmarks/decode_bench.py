@@ -7,7 +7,8 @@ reported, not timed):
 
 * ``jax_fa3``: ``jax_fa3.attention_with_kvcache`` (contiguous cache), and
   ``jax_fa3_paged`` (the same cache in pages of ``--page-size`` through a
-  shuffled page table);
+  shuffled page table, or an identity one with ``--page-order sequential``;
+  a list of page sizes adds ``jax_fa3_paged<size>`` for the others);
 * ``fa3ref``: the Dao-AILab FA3 KV-cache kernel
   (``flash_attn3_jax.kvcache.flash_mha_with_kvcache``), when importable;
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with
@@ -53,11 +54,14 @@ def kv_bytes(batch, length, kv_heads, hdim, itemsize=2):
   return 2 * batch * length * kv_heads * hdim * itemsize
 
 
-def paged_layout(batch, length, page_size, seed=0):
+def paged_layout(batch, length, page_size, seed=0, shuffled=True):
   """(page_table int32 [B, pages], inverse permutation): the rows' pages in
-  a shuffled pool, so consecutive pages of a row are not adjacent."""
+  a shuffled pool, so consecutive pages of a row are not adjacent (or in
+  order: the contiguous cache's own layout, cut into pages)."""
   per = -(-length // page_size)
-  perm = np.random.default_rng(seed).permutation(batch * per).astype(np.int32)
+  perm = np.arange(batch * per, dtype=np.int32)
+  if shuffled:
+    perm = np.random.default_rng(seed).permutation(batch * per).astype(np.int32)
   return perm.reshape(batch, per), np.argsort(perm)
 
 
@@ -91,31 +95,38 @@ def reference(q, k, v, lens):
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), vf)
 
 
-def _impls(names, page_size):
-  """name -> fn(q, k_cache, v_cache, lens, table, pool_k, pool_v)."""
+def _paged_name(page_sizes, i):
+  return "jax_fa3_paged" if i == 0 else f"jax_fa3_paged{page_sizes[i]}"
+
+
+def _impls(names, page_sizes):
+  """name -> fn(q, k_cache, v_cache, lens, *pages), pages: (table,
+  pool_k, pool_v) per page size."""
   import jax
   jax_fa3 = bench._import_jax_fa3()
   impls = {}
   if "jax_fa3" in names:
-    impls["jax_fa3"] = lambda q, k, v, lens, t, pk, pv: jax_fa3.attention_with_kvcache(
+    impls["jax_fa3"] = lambda q, k, v, lens, *pg: jax_fa3.attention_with_kvcache(
         q, k, v, lens)
   if "jax_fa3_paged" in names:
-    impls["jax_fa3_paged"] = lambda q, k, v, lens, t, pk, pv: jax_fa3.attention_with_kvcache(
-        q, pk, pv, lens, page_table=t)
+    for i in range(len(page_sizes)):
+      impls[_paged_name(page_sizes, i)] = (
+          lambda q, k, v, lens, *pg, i=i: jax_fa3.attention_with_kvcache(
+              q, pg[3 * i + 1], pg[3 * i + 2], lens, page_table=pg[3 * i]))
   if "fa3ref" in names:
     try:
       from flash_attn3_jax.kvcache import flash_mha_with_kvcache
-      impls["fa3ref"] = lambda q, k, v, lens, t, pk, pv: flash_mha_with_kvcache(
+      impls["fa3ref"] = lambda q, k, v, lens, *pg: flash_mha_with_kvcache(
           q, k, v, cache_seqlens=lens, is_causal=True)
     except ImportError:
       pass
   if "cudnn" in names:
-    impls["cudnn"] = lambda q, k, v, lens, t, pk, pv: jax.nn.dot_product_attention(
+    impls["cudnn"] = lambda q, k, v, lens, *pg: jax.nn.dot_product_attention(
         q, k, v, key_value_seq_lengths=lens, implementation="cudnn")
   return impls
 
 
-def make_point(key, batch, length, tq, heads, kv_heads, hdim, page_size):
+def make_point(key, batch, length, tq, heads, kv_heads, hdim, page_sizes, shuffled=True):
   import jax
   import jax.numpy as jnp
   ks = jax.random.split(key, 3)
@@ -123,9 +134,11 @@ def make_point(key, batch, length, tq, heads, kv_heads, hdim, page_size):
   k = jax.random.normal(ks[1], (batch, length, kv_heads, hdim), jnp.float32).astype(jnp.bfloat16)
   v = jax.random.normal(ks[2], (batch, length, kv_heads, hdim), jnp.float32).astype(jnp.bfloat16)
   lens = jnp.full((batch,), length, jnp.int32)
-  table, _ = paged_layout(batch, length, page_size)
-  pk, pv = to_pages(k, table, page_size), to_pages(v, table, page_size)
-  return (q, k, v, lens, jnp.asarray(table), pk, pv)
+  pages = []
+  for ps in page_sizes:
+    table, _ = paged_layout(batch, length, ps, shuffled=shuffled)
+    pages += [jnp.asarray(table), to_pages(k, table, ps), to_pages(v, table, ps)]
+  return (q, k, v, lens, *pages)
 
 
 def check(name, fn, args):
@@ -167,7 +180,8 @@ def main(argv=None):
   ap.add_argument("--heads", type=int, default=32)
   ap.add_argument("--kv-heads", type=int, default=8)
   ap.add_argument("--hdim", type=int, default=128)
-  ap.add_argument("--page-size", type=int, default=128)
+  ap.add_argument("--page-size", default="128", help="page sizes, e.g. 128,256")
+  ap.add_argument("--page-order", default="shuffled", choices=("shuffled", "sequential"))
   ap.add_argument("--impls", default="jax_fa3,jax_fa3_paged,fa3ref,cudnn")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--copy-gib", type=float, default=4.0)
@@ -180,14 +194,16 @@ def main(argv=None):
   print(bench.header_line(env))
   copy_bw = copy_bandwidth(a.copy_gib, a.reps)
   print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s ({a.copy_gib} GiB, read + write)")
-  impls = _impls(a.impls.split(","), a.page_size)
+  page_sizes = [int(x) for x in a.page_size.split(",")]
+  shuffled = a.page_order == "shuffled"
+  impls = _impls(a.impls.split(","), page_sizes)
   rows = []
   for tq in (int(x) for x in a.tq.split(",")):
     for batch, length in parse_points(a.points):
       small = make_point(jax.random.key(1), min(batch, 2), min(length, a.check_tokens), tq,
-                         a.heads, a.kv_heads, a.hdim, a.page_size)
+                         a.heads, a.kv_heads, a.hdim, page_sizes, shuffled)
       args = make_point(jax.random.key(0), batch, length, tq, a.heads, a.kv_heads,
-                        a.hdim, a.page_size)
+                        a.hdim, page_sizes, shuffled)
       timers, status = {}, {}
       for name, fn in impls.items():
         why = "n/a: Tq > 1" if name == "cudnn" and tq > 1 else check(name, fn, small)

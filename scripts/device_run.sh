@@ -66,9 +66,11 @@ for stage in "$@"; do
         && $FWD_CHECK --hdims 64 --variant m192 && $FWD_CHECK --dtype fp16 --hdims 64 --variant m192; } \
         2>&1 | tee "$OUT/check.log" | grep -E "FAIL|PASSED|FAILED|skipped" ;;
     sanitize)  # the forward driver under each compute-sanitizer tool: seconds, not an XLA compile per shape
+      # (SANITIZE_ARGS="--only kv": the KV-cache cases alone)
       for tool in memcheck racecheck synccheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 $FWD_CHECK --hdims 64,128,256 > "$OUT/sanitize_$tool.log" 2>&1
-        echo "$tool rc=$?"; tail -3 "$OUT/sanitize_$tool.log"
+        timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 $FWD_CHECK --hdims 64,128,256 \
+          ${SANITIZE_ARGS:-} > "$OUT/sanitize_$tool.log" 2>&1
+        echo "$tool rc=$?"; grep -E "^FAIL" "$OUT/sanitize_$tool.log" | head -5; tail -3 "$OUT/sanitize_$tool.log"
       done ;;
     timing)  # forward kernels alone (CUDA events), bf16, 16k tokens, hidden 2048, unmasked and causal
       for d in ${TIMING_HDIMS:-128}; do for t in 512 1024 2048 4096 8192 16384; do for c in 0 1; do

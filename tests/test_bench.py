@@ -145,8 +145,13 @@ def test_decode_bench_pages_points_and_check(cpu_backend):
   for b in range(3):
     np.testing.assert_array_equal(pool[table[b, pos // 64], pos % 64], cache[b])
   # The check passes the reference itself and rejects a wrong answer.
-  args = d.make_point(jax.random.key(2), 2, 100, 3, 4, 2, 16, 64)
+  seq, _ = d.paged_layout(2, 150, 64, shuffled=False)
+  np.testing.assert_array_equal(seq, [[0, 1, 2], [3, 4, 5]])
+  args = d.make_point(jax.random.key(2), 2, 100, 3, 4, 2, 16, [64, 32])
   assert d.check("ref", lambda q, k, v, lens, *_: d.reference(q, k, v, lens), args) is None
   wrong = lambda q, k, v, lens, *_: d.reference(q, k, v, lens - 1)  # noqa: E731
   assert d.check("wrong", wrong, args) is not None
-  assert d.check("pure JAX", d._impls(["jax_fa3_paged"], 64)["jax_fa3_paged"], args) is None
+  impls = d._impls(["jax_fa3_paged"], [64, 32])
+  assert sorted(impls) == ["jax_fa3_paged", "jax_fa3_paged32"]
+  for fn in impls.values():
+    assert d.check("pure JAX", fn, args) is None

@@ -57,6 +57,13 @@ struct ConsumerMainloop {
                        PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
                        Softmax& softmax, TO& acc_o, OnQDead&& on_q_dead) {
     if (mask.empty()) { return; }
+    // A warpgroup whose 64 rows all lie past q_len (a decode tile holds a few
+    // packed rows) only keeps the ring and the turns in step: its GEMMs
+    // would leave the tensor cores busy for rows the epilogue zeroes.
+    if (mask.m_start + pingpong.wg * Traits::kRowsPerWG >= mask.rule.q_len) {
+      idle(pingpong, mask, pipe_k, pipe_v, state_kv, on_q_dead);
+      return;
+    }
     Tensor sQ = smem_q<Traits>(smem, q_stage);
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
@@ -112,6 +119,27 @@ struct ConsumerMainloop {
     pingpong.pass_turn();
     warpgroup_wait<0>();
     pipe_v.consumer_release(state_v);
+  }
+
+  // run()'s waits, releases and turns without its GEMMs: one turn per block
+  // plus the last P.V's. Every wait stays: a release ahead of the other
+  // warpgroups' would count toward an earlier phase of the stage.
+  template <class PipelineKV, class StateKV, class OnQDead>
+  CUTE_DEVICE static void idle(const PingPong& pingpong, const QueryBlockMask<kBlockM, kBlockN>& mask,
+                               PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv, OnQDead&& on_q_dead) {
+    #pragma unroll 1
+    for (int n_block = mask.n_block_max - 1; n_block >= mask.n_block_min; --n_block) {
+      pipe_k.consumer_wait(state_kv);
+      pingpong.wait_turn();
+      pingpong.pass_turn();
+      pipe_k.consumer_release(state_kv);
+      pipe_v.consumer_wait(state_kv);
+      pipe_v.consumer_release(state_kv);
+      ++state_kv;
+    }
+    on_q_dead();
+    pingpong.wait_turn();
+    pingpong.pass_turn();
   }
 };
 

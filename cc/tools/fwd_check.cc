@@ -3,7 +3,9 @@
 // for compute-sanitizer (memcheck/racecheck/synccheck), where an XLA process
 // spends minutes compiling, and as a smoke test that needs only the CUDA driver.
 //   jax_fa3_fwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--variant default|m192|auto]
-// (m192: d64's 192-row tile; auto: the handler's choice per problem).
+//   [--only all|kv]
+// (m192: d64's 192-row tile; auto: the handler's choice per problem; kv: the
+// KV-cache cases alone, for the sanitizers).
 // Exit status 0 iff every case matches, is NaN-free and bit-reproducible.
 //   jax_fa3_fwd_check --time B,T,N,D,CAUSAL [--iters 20]
 // times one shape with CUDA events (no check): a target for `ncu`.
@@ -276,7 +278,7 @@ int time_shape(const std::string& spec, bool bf16, const char* variant, int iter
 }
 
 int main(int argc, char** argv) {
-  std::string dtype = "bf16", variant = "default", time_spec;
+  std::string dtype = "bf16", variant = "default", time_spec, only = "all";
   int iters = 20;
   std::vector<int> hdims = {64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -286,6 +288,7 @@ int main(int argc, char** argv) {
     else if (a == "--time") time_spec = argv[i + 1];
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
     else if (a == "--hdims") hdims = check_util::parse_int_list(argv[i + 1]);
+    else if (a == "--only") only = argv[i + 1];
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
   if (!time_spec.empty()) return time_shape(time_spec, dtype == "bf16", variant.c_str(), iters);
@@ -328,6 +331,7 @@ int main(int argc, char** argv) {
       if (c.docs > 0 && std::strcmp(variant.c_str(), "m192") == 0) continue;  // takes no segment ids
       if (c.kv_page % (d >= 192 ? 80 : 128) != 0) continue;  // a page holds whole key blocks (fwd/traits.h)
       if (c.kv_pack && std::strcmp(variant.c_str(), "m192") == 0) continue;  // training shapes only
+      if (only == "kv" && !c.kv_pack) continue;
       Result r = run_case(c, d, bf16, variant.c_str(), uint32_t(1000 * d + ci));
       if (r.skipped) {
         std::printf("%s d%d: not compiled, skipped\n", dtype.c_str(), d);
