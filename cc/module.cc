@@ -4,9 +4,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -16,6 +18,7 @@ void* jax_fa3_fwd_handler();
 void* jax_fa3_kvcache_fwd_handler();
 int jax_fa3_num_fwd_kernels();
 int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim);
+int jax_fa3_fwd_kernel_value_dim(int i);
 void* jax_fa3_bwd_handler();
 int jax_fa3_num_bwd_kernels();
 void jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim);
@@ -76,6 +79,19 @@ NB_MODULE(_jax_fa3, m) {
   // Forward: only the default tiles, the kernels Python dispatches to by (dtype, head dim).
   m.def("compiled_configs", [] {
     return list_configs(jax_fa3_num_fwd_kernels(), jax_fa3_fwd_kernel_config);
+  });
+  // (dtype, head dim, value head dim) of the forward tiles for a V head dim
+  // unlike Q/K's.
+  m.def("compiled_value_configs", [] {
+    std::vector<std::tuple<std::string, int, int>> out;
+    for (int i = 0; i < jax_fa3_num_fwd_kernels(); ++i) {
+      int dtype = 0, head_dim = 0;
+      jax_fa3_fwd_kernel_config(i, &dtype, &head_dim);
+      if (const int dv = jax_fa3_fwd_kernel_value_dim(i)) {
+        out.emplace_back(dtype == 0 ? "bfloat16" : "float16", head_dim, dv);
+      }
+    }
+    return out;
   });
   // (dtype, head dim) pairs with a backward kernel; the others differentiate
   // through the reference backward.

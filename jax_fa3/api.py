@@ -52,11 +52,13 @@ def _check_mask_args(query_seq_lengths, key_value_seq_lengths,
 
 def _not_on_kernel(bias, mask, q, v):
   """The argument(s) the kernels cannot take yet (None if none): a bias
-  (and a mask that comes with one), a value head dim unlike q's."""
+  (and a mask that comes with one), a value head dim unlike q's without a
+  compiled tile for the pair (192/128 and 128/64 are built)."""
   del mask  # a boolean mask alone runs on the kernels
   if bias is not None:
     return "bias is"
-  if v.shape[-1] != q.shape[-1]:
+  if v.shape[-1] != q.shape[-1] and (np.dtype(q.dtype).name, q.shape[-1], v.shape[-1]) \
+      not in _native.compiled_value_configs():
     return (f"a value head_dim ({v.shape[-1]}) different from the query/key "
             f"head_dim ({q.shape[-1]}) is")
   return None
@@ -126,8 +128,9 @@ def attention(query, key, value, *, scale=None, is_causal=False,
   Args:
     query: ``[B, T, N, H]``; key: ``[B, S, K, H]`` with ``N % K == 0``
       (GQA / MQA); value: ``[B, S, K, Hv]``.  bfloat16/float16 for the
-      kernel; float32 uses the reference.  ``Hv != H`` (e.g. 192/128 latent
-      attention) runs on the reference for now.
+      kernel; float32 uses the reference.  ``Hv != H``: the forward runs on
+      the kernels for (192, 128) (latent attention) and (128, 64), the
+      gradients on the reference backward; other pairs on the reference.
     scale: logit scale, default ``1/sqrt(H)``.
     is_causal: top-left aligned causal mask (query ``i`` sees keys ``<= i``).
     local_window_size: ``w`` (= ``(w, w)``) or ``(left, right)``: query ``i``

@@ -149,7 +149,7 @@ def vt_shape(b, s, kh, h, block_kv):
 
 def _fwd_shapes(q, k, v, q_lens, kv_lens, *_segs, **_):
   b, t, n, _h = q.shape
-  return (_sds(q.shape, q.dtype), _sds((b, n, t), _F32))
+  return (_sds((b, t, n, v.shape[-1]), q.dtype), _sds((b, n, t), _F32))
 
 
 def _bwd_shapes(q, k, v, *_, **__):
@@ -291,8 +291,8 @@ _bwd_reference = mlir.lower_fun(_reference_bwd, multiple_results=True)
 def _bwd_cuda(ctx, *args, **params):
   # A (dtype, head dim) without a compiled backward kernel differentiates
   # through the reference (the README's table lists which).
-  q = ctx.avals_in[0]
-  if bwd_kernel_available(q.dtype, q.shape[-1]):
+  q, v = ctx.avals_in[0], ctx.avals_in[2]
+  if v.shape[-1] == q.shape[-1] and bwd_kernel_available(q.dtype, q.shape[-1]):
     return _bwd_kernel(ctx, *args, **params)
   return _bwd_reference(ctx, *args, **params)
 

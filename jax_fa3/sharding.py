@@ -48,10 +48,11 @@ __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd",
 
 # Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
 # SEG: the four pair-rule operands (_pair_rule_factors); SNK: the sinks [N]
-# follow the query heads, or their own factor o when absent ([0]).
-_FWD_RULE = "b t Q h, b s k h, b s k h, b, b, SEG, SNK -> b t Q h, b Q t"
-_BWD_RULE = ("b t Q h, b s k h, b s k h, b t Q h, b Q t, b t Q h, b, b, SEG "
-             "-> b t Q h, b s k h, b s k h")
+# follow the query heads, or their own factor o when absent ([0]); v: the
+# value head dim (V, O, dO), which may differ from Q/K's h.
+_FWD_RULE = "b t Q h, b s k h, b s k v, b, b, SEG, SNK -> b t Q v, b Q t"
+_BWD_RULE = ("b t Q h, b s k h, b s k v, b t Q v, b Q t, b t Q v, b, b, SEG "
+             "-> b t Q h, b s k h, b s k v")
 _QUANT_RULE = ("b t Q h, b s k h, b s k h, h, f -> b t Q h, b s k h, V, "
                "b Q x, b k y, b k y")
 _FP8_FWD_RULE = "b t Q h, b s k h, V, b Q x, b k y, b k y, b, b, SEG -> b t Q h, b Q t"
@@ -60,7 +61,7 @@ _V_LAYOUT = {False: "b s k h", True: "b k h z"}
 # contiguous cache follows the batch, a paged pool (c pages) is whole on
 # every batch shard; z: split parts.
 _KVCACHE_RULE = "b t Q h, C s k h, C s k h, b, b, b, b p -> b z t Q h, b z Q t"
-_SEQ_FREE = ("h", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l", "o")
+_SEQ_FREE = ("h", "v", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l", "o")
 _SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
 
 

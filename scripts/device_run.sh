@@ -63,7 +63,9 @@ for stage in "$@"; do
         | tee "$OUT/alltests${SUITE_PART:+_${SUITE_PART// /_}}.log" | tail -40 ;;
     check)  # forward kernels vs a float64 host reference, without XLA (cc/tools/fwd_check.cc)
       { $FWD_CHECK --hdims 64,96,128,192,256 && $FWD_CHECK --dtype fp16 --hdims 64,128,256 \
-        && $FWD_CHECK --hdims 64 --variant m192 && $FWD_CHECK --dtype fp16 --hdims 64 --variant m192; } \
+        && $FWD_CHECK --hdims 64 --variant m192 && $FWD_CHECK --dtype fp16 --hdims 64 --variant m192 \
+        && $FWD_CHECK --hdims 192 --dv 128 && $FWD_CHECK --hdims 128 --dv 64 \
+        && $FWD_CHECK --dtype fp16 --hdims 192 --dv 128 && $FWD_CHECK --dtype fp16 --hdims 128 --dv 64; } \
         2>&1 | tee "$OUT/check.log" | grep -E "FAIL|PASSED|FAILED|skipped" ;;
     sanitize)  # the forward driver under each compute-sanitizer tool: seconds, not an XLA compile per shape
       # (SANITIZE_ARGS="--only kv": the KV-cache cases alone)

@@ -383,6 +383,19 @@ def assert_fa3_tolerance(got, base, ref, names=None, atol=FA3_ATOL):
           for i, (g, b, r) in enumerate(zip(got, base, ref))]
 
 
+def assert_out_and_grads(names, got, want, same, dtype):
+  """The FA3 rule for (out, grads...) of a ``dtype`` call: finite results,
+  the gradients' atol widened by ``dtype``'s rounding of the float32
+  reference ``want``; ``same``: the same-dtype XLA results."""
+  for i, name in enumerate(names):
+    g = np.asarray(got[i]).astype(np.float32)
+    r = np.asarray(want[i]).astype(np.float32)
+    assert np.all(np.isfinite(g)), name
+    atol = FA3_ATOL + (0 if i == 0 else 2 * roundoff(r, dtype))
+    assert_fa3_rule(name, g, r, np.asarray(same[i]).astype(np.float32), atol,
+                    FWD_FACTOR if i == 0 else GRAD_FACTOR)
+
+
 def assert_sane(name, out32, valid):
   """Poison checks of an output ``[B,T,N,H]``: finite everywhere, exactly 0
   on rows that are padded or see no key (``valid`` ``[B,T]`` False), and

@@ -358,6 +358,7 @@ def fake_kernels(monkeypatch):
   monkeypatch.setattr(_native, "sm90_gpu_present", lambda: True)
   monkeypatch.setattr(_native, "compiled_configs", lambda: configs)
   monkeypatch.setattr(_native, "compiled_bwd_configs", lambda: configs)
+  monkeypatch.setattr(_native, "compiled_value_configs", lambda: frozenset())
 
 
 def test_routing_without_kernels_uses_reference(monkeypatch):
@@ -370,6 +371,26 @@ def test_routing_without_kernels_uses_reference(monkeypatch):
                                           implementation="reference")
   np.testing.assert_array_equal(np.asarray(jax.jit(f)(q, k, v), np.float32),
                                 np.asarray(jax.jit(ref)(q, k, v), np.float32))
+
+
+def test_routing_value_head_dim(fake_kernels, monkeypatch):
+  # A value head dim unlike q's runs the forward kernel where its tile was
+  # built, and differentiates through the reference backward.
+  q, k, _, _ = _rand(15, B=2, T=9, S=12, N=4, K=2, dtype=jnp.bfloat16)
+  v = jax.random.normal(jax.random.key(1), k.shape[:3] + (4,)).astype(k.dtype)
+  f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
+  assert _cuda_kernels(f, q, k, v) == set()
+  with pytest.raises(ValueError, match="value head_dim"):
+    jax_fa3.attention(q, k, v, implementation="fa3")
+  monkeypatch.setattr(_native, "compiled_value_configs",
+                      lambda: frozenset({("bfloat16", 8, 4)}))
+  f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)  # a new trace
+  assert _cuda_kernels(f, q, k, v) == {"jax_fa3_fwd"}
+  assert _cuda_kernels(_grad(f), q, k, v) == {"jax_fa3_fwd"}
+  out = jax.eval_shape(f, q, k, v)
+  assert out.shape == q.shape[:3] + (4,)
+  assert _cuda_kernels(f, q.astype(jnp.float16), k.astype(jnp.float16),
+                       v.astype(jnp.float16)) == set()
 
 
 def test_routing_with_kernels_binds_the_kernels(fake_kernels):

@@ -45,10 +45,13 @@ def test_queries_match_this_machine():
   if _native.available():
     assert ("bfloat16", 128) in _native.compiled_configs()
     assert _native.compiled_bwd_configs() <= _native.compiled_configs()
+    for dtype, h, hv in _native.compiled_value_configs():
+      assert (dtype, h) in _native.compiled_configs() and hv != h
   else:
     assert _native.compiled_configs() == frozenset()
     assert _native.compiled_bwd_configs() == frozenset()
     assert _native.compiled_fp8_configs() == frozenset()
+    assert _native.compiled_value_configs() == frozenset()
   try:
     gpus = jax.devices("gpu")
   except RuntimeError:

@@ -82,9 +82,12 @@ LAYOUTS = [
 ]
 
 
-def _run_layout(qs, kvs, K, S, causal, wl, softcap, seed=0, sinks=False):
+def _run_layout(qs, kvs, K, S, causal, wl, softcap, seed=0, sinks=False,
+                hv=None):
   mesh = _mesh((2, 2, 2), M3)
   q, k, v, w, ql, kl = _inputs(seed, K=K, S=S)
+  if hv is not None:  # a value head dim unlike q's (v, out: their own factor)
+    v, w = v[..., :hv], w[..., :hv]
   wr = 0 if causal else -1
   snk = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32) if sinks else None
   # Differentiated inputs: q, k, v (and the sinks when given).
@@ -126,6 +129,14 @@ _SINK_LAYOUTS = [c for c in LAYOUTS if c[0] in (
 def test_partitioned_sinks_equal_unsharded(case):
   # The sinks follow the query heads; on a sequence ring they join once.
   _run_layout(*case[1:], sinks=True)
+
+
+_VALUE_LAYOUTS = [c for c in LAYOUTS if c[0] in ("batch", "heads_gqa", "heads_mqa")]
+
+
+@pytest.mark.parametrize("case", _VALUE_LAYOUTS, ids=[c[0] for c in _VALUE_LAYOUTS])
+def test_partitioned_value_head_dim_equals_unsharded(case):
+  _run_layout(*case[1:], hv=H // 2)
 
 
 @pytest.mark.parametrize("case", [LAYOUTS[0], LAYOUTS[4], LAYOUTS[7]],

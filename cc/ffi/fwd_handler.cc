@@ -27,8 +27,10 @@ const FwdKernelEntry* find_kernel(DType dtype, int d, const char* variant) {
 // Tile choice per problem: d64's 192-row tile (three consumer warpgroups) is
 // faster on unmasked problems from 1k queries and on causal ones from 4k;
 // below that its padding of short causal problems costs more than it gains
-// (benchmarks/RESULTS.md). It takes no segment ids (fwd/traits.h).
-const char* pick_variant(const FwdParams& p, DType dtype) {
+// (benchmarks/RESULTS.md). It takes no segment ids (fwd/traits.h). A value
+// head dim unlike Q/K's has its own tiles: "dv<Hv>".
+std::string pick_variant(const FwdParams& p, DType dtype) {
+  if (p.dv != p.d) { return "dv" + std::to_string(p.dv); }
   if (p.d == 64 && p.pair.q_spans == nullptr && find_kernel(dtype, 64, "m192") != nullptr) {
     const bool unmasked = p.window_left < 0 && p.window_right < 0;
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
@@ -58,9 +60,11 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (const char* why = bad_operands(q, k, v, *o, &dtype)) { return invalid(kWho, why); }
   FwdParams p;
   set_dims(p, q, k);
-  auto vd = v.dimensions();
-  if (!k_matches_q(p, k) || vd[0] != p.b || vd[1] != p.s || vd[2] != p.kh || vd[3] != p.d) {
-    return invalid(kWho, "inconsistent q/k/v shapes");
+  auto vd = v.dimensions(), od = o->dimensions();
+  p.dv = int(vd[3]);
+  if (!k_matches_q(p, k) || vd[0] != p.b || vd[1] != p.s || vd[2] != p.kh || od.size() != 4 || od[0] != p.b ||
+      od[1] != p.t || od[2] != p.n || od[3] != p.dv) {
+    return invalid(kWho, "inconsistent q/k/v/out shapes");
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
   if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
@@ -77,8 +81,8 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.window_right = clamp_window(window_right, p.s);
   p.num_sms = sm_count();
 
-  const char* variant = pick_variant(p, dtype);
-  const FwdKernelEntry* e = find_kernel(dtype, p.d, variant);
+  const std::string variant = pick_variant(p, dtype);
+  const FwdKernelEntry* e = find_kernel(dtype, p.d, variant.c_str());
   if (e == nullptr) {
     return invalid(kWho, "head dim " + std::to_string(p.d) + ", variant '" + variant +
                          "' with this dtype was not compiled (JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES)");
@@ -128,6 +132,7 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   p.o = o->untyped_data(); p.lse = lse->typed_data();
   p.q_lens = q_lens.typed_data(); p.kv_lens = kv_lens.typed_data();
   p.q_offset = q_offset.typed_data();
+  p.dv = p.d;
   while ((1 << p.q_pack_log2) < q_pack) { ++p.q_pack_log2; }
   p.num_splits = num_splits;
   p.scale = scale; p.softcap = softcap;
@@ -199,6 +204,11 @@ JAX_FA3_EXPORT int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim) {
   *head_dim = jax_fa3::kFwdKernels[i].head_dim;
   return std::strcmp(jax_fa3::kFwdKernels[i].variant, "default") == 0;
 }
+// The value head dim of entry i's "dv<Hv>" variant (Hv != the head dim), else 0.
+JAX_FA3_EXPORT int jax_fa3_fwd_kernel_value_dim(int i) {
+  const char* v = jax_fa3::kFwdKernels[i].variant;
+  return std::strncmp(v, "dv", 2) == 0 ? std::atoi(v + 2) : 0;
+}
 // Direct launch without XLA (cc/tools/fwd_check.cc: compute-sanitizer runs).
 // Returns 0, a cudaError_t, or -1 when (dtype, head dim, variant) is not compiled.
 // variant "auto" takes the handler's choice (pick_variant).
@@ -207,7 +217,8 @@ JAX_FA3_EXPORT int jax_fa3_fwd_launch(const jax_fa3::FwdParams* p, int dtype, co
   jax_fa3::FwdParams params = *p;
   if (params.num_sms == 0) { params.num_sms = jax_fa3::sm_count(); }
   const auto dt = jax_fa3::DType(dtype);
-  if (std::strcmp(variant, "auto") == 0) { variant = jax_fa3::pick_variant(params, dt); }
-  const jax_fa3::FwdKernelEntry* e = jax_fa3::find_kernel(dt, params.d, variant);
+  if (params.dv == 0) { params.dv = params.d; }
+  const std::string picked = std::strcmp(variant, "auto") == 0 ? jax_fa3::pick_variant(params, dt) : variant;
+  const jax_fa3::FwdKernelEntry* e = jax_fa3::find_kernel(dt, params.d, picked.c_str());
   return e ? int(e->launch(params, stream)) : -1;
 }

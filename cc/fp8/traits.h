@@ -33,6 +33,7 @@ struct Fp8FwdTraits {
   using ElementO = ElementO_;
   using ElementAccum = float;
   static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimV = HeadDim;  // the shared producer reads V with it
   // Query rows per tile: kFp8BlockM (the Q scale block), or 192 at d64: three
   // consumer warpgroups of 64 rows, each reading the Q scale of the 128-row
   // block its rows lie in. At d64 a warpgroup's softmax of a 128-key block

@@ -22,7 +22,7 @@ template <class Traits, class KernelParams>
 struct Epilogue {
   using ElementO = typename Traits::ElementO;
   static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDim = Traits::kHeadDimV;  // O's
   static constexpr int kRowsPerWG = Traits::kRowsPerWG;
   static constexpr int kWGThreads = cutlass::NumThreadsPerWarpGroup;
   // One named barrier per consumer warpgroup (common/barriers.h).

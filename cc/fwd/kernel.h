@@ -24,8 +24,8 @@ template <class Traits>
 struct FwdKernelParams {
   FwdParams fwd;
   typename Traits::TmaQ tma_q;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
   typename Traits::TmaO tma_o;
 };
 
@@ -61,10 +61,11 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
   // Pipelines: the TMA thread produces; all consumer threads arrive on the
   // "empty" barriers.
   const auto pq = tma_pipeline_params<PipelineQ>(roles, Traits::kTmaBytesQ, Traits::kNumMmaThreads);
-  const auto pkv = tma_pipeline_params<PipelineKV>(roles, Traits::kTmaBytesKV, Traits::kNumMmaThreads);
+  const auto pk = tma_pipeline_params<PipelineKV>(roles, Traits::kTmaBytesK, Traits::kNumMmaThreads);
+  const auto pv = tma_pipeline_params<PipelineKV>(roles, Traits::kTmaBytesV, Traits::kNumMmaThreads);
   PipelineQ pipe_q(smem.pipe_q, pq, Shape<_1, _1, _1>{});
-  PipelineKV pipe_k(smem.pipe_k, pkv, Shape<_1, _1, _1>{});
-  PipelineKV pipe_v(smem.pipe_v, pkv, Shape<_1, _1, _1>{});
+  PipelineKV pipe_k(smem.pipe_k, pk, Shape<_1, _1, _1>{});
+  PipelineKV pipe_v(smem.pipe_v, pv, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier init visible to all
 
   Scheduler scheduler(p, kBlockM);
@@ -98,7 +99,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
       const int q_len = min(p.q_lens[data_batch(p, tile.batch)], p.t);
       const auto mask = tile_mask<Traits>(p, tile);
-      Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
+      Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDimV>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax(scale_log2);
       // Wait for Q even when the tile is empty, so no TMA write to its buffer
@@ -148,14 +149,16 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.pages.table != nullptr && (p.pages.page_size % Traits::kBlockN != 0 || p.pages.num_pages < 1)) {
     return cudaErrorInvalidValue;  // a key block must not straddle pages
   }
+  if ((p.dv > 0 ? p.dv : p.d) != Traits::kHeadDimV) { return cudaErrorInvalidValue; }
   auto layout = btnh_layout<HeadDim>;
+  auto layout_v = btnh_layout<Traits::kHeadDimV>;
   const KvExtent kv = KvExtent::of(p);
   FwdKernelParams<Traits> kp{
       p,
       Traits::make_tma_q(static_cast<const Element*>(p.q), layout(p.t, p.n, p.b)),
-      Traits::make_tma_kv(static_cast<const Element*>(p.k), layout(kv.rows, p.kh, kv.batches)),
-      Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(kv.rows, p.kh, kv.batches)),
-      Traits::make_tma_o(static_cast<Element*>(p.o), layout(p.t, p.n, p.b * p.num_splits)),
+      Traits::make_tma_k(static_cast<const Element*>(p.k), layout(kv.rows, p.kh, kv.batches)),
+      Traits::make_tma_v(static_cast<const Element*>(p.v), layout_v(kv.rows, p.kh, kv.batches)),
+      Traits::make_tma_o(static_cast<Element*>(p.o), layout_v(p.t, p.n, p.b * p.num_splits)),
   };
   return launch_kernel(fwd_kernel<Traits, Scheduler>, Scheduler::grid(p, Traits::kBlockM), Traits::kNumThreads,
                        Traits::kSmemBytes, stream, kp);

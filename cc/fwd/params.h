@@ -54,8 +54,8 @@ struct FwdParams {
   // BTNH tensors, contiguous (XLA's default row-major layout).
   const void* q = nullptr;   // [b, t, n, d]
   const void* k = nullptr;   // [b, s, kh, d]
-  const void* v = nullptr;   // [b, s, kh, d]
-  void* o = nullptr;         // [b, t, n, d]
+  const void* v = nullptr;   // [b, s, kh, dv]
+  void* o = nullptr;         // [b, t, n, dv]
   float* lse = nullptr;      // [b, n, t], natural log; +inf for rows that see no key
   const int32_t* q_lens = nullptr;   // [b] valid query rows per batch (clamped to t)
   const int32_t* kv_lens = nullptr;  // [b] valid key rows per batch (clamped to s)
@@ -77,6 +77,7 @@ struct FwdParams {
   int num_splits = 1;
 
   int b = 0, t = 0, s = 0, n = 0, kh = 0, d = 0;
+  int dv = 0;  // V's and O's head dim (v [b, s, kh, dv], o [b, t, n, dv]); 0: d
   float scale = 1.f;
   float softcap = 0.f;     // 0 = off; else scores -> softcap * tanh(score / softcap)
   int window_left = -1;    // key j visible from query i iff j >= i - left (-1: unbounded)

@@ -18,6 +18,7 @@ struct ProducerLoad {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
 
   const KernelParams& params;
   typename Traits::SharedStorage& smem;
@@ -34,18 +35,19 @@ struct ProducerLoad {
     Tensor gQ = local_tile(mQ(_, _, tile.head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                            make_coord(tile.m_block, _0{}));
     auto [tQgQ, tQsQ] = tma_views(params.tma_q, sQ, gQ);
-    return cute::make_tuple(tQgQ, tQsQ, kv_views(params.tma_k, sK, tile, batch), kv_views(params.tma_v, sV, tile, batch));
+    return cute::make_tuple(tQgQ, tQsQ, kv_views<kHeadDim>(params.tma_k, sK, tile, batch),
+                            kv_views<kHeadDimV>(params.tma_v, sV, tile, batch));
   }
 
-  // TMA views of the K or V blocks of one cache batch (or page) `where`:
-  // (global (.., n_blocks), shared (.., stages)).
-  template <class Tma, class TS>
+  // TMA views of the K (D = kHeadDim) or V (kHeadDimV) blocks of one cache
+  // batch (or page) `where`: (global (.., n_blocks), shared (.., stages)).
+  template <int D, class Tma, class TS>
   CUTE_DEVICE auto kv_views(const Tma& tma, const TS& s, const WorkTile& tile, int where) const {
     const FwdParams& p = params.fwd;
     const KvExtent kv = KvExtent::of(p);
-    Tensor m = tma.get_tma_tensor(make_shape(kv.rows, Int<kHeadDim>{}, p.kh, kv.batches));
+    Tensor m = tma.get_tma_tensor(make_shape(kv.rows, Int<D>{}, p.kh, kv.batches));
     const int kv_head = tile.head / (p.n / p.kh);  // GQA/MQA: index map, no copy
-    Tensor g = local_tile(m(_, _, kv_head, where), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+    Tensor g = local_tile(m(_, _, kv_head, where), Shape<Int<kBlockN>, Int<D>>{},
                           make_coord(_, _0{}));  // (BN, D, n_blocks)
     return tma_views(tma, s, g);
   }
@@ -101,14 +103,14 @@ struct ProducerLoad {
       pipe_k.producer_acquire(state_kv);
       {
         Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-        auto k = kv_views(params.tma_k, sK, tile, page);
+        auto k = kv_views<kHeadDim>(params.tma_k, sK, tile, page);
         copy(params.tma_k.with(*pipe_k.producer_get_barrier(state_kv)), get<0>(k)(_, blk),
              get<1>(k)(_, state_kv.index()));
       }
       pipe_v.producer_acquire(state_kv);
       {
         Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
-        auto v = kv_views(params.tma_v, sV, tile, page);
+        auto v = kv_views<kHeadDimV>(params.tma_v, sV, tile, page);
         copy(params.tma_v.with(*pipe_v.producer_get_barrier(state_kv)), get<0>(v)(_, blk),
              get<1>(v)(_, state_kv.index()));
       }

@@ -23,10 +23,12 @@ using namespace cute;
 // the faster schedule.
 template <int HeadDim> struct FwdTileConfig;
 // kPairRule: the tile takes segment ids (every default tile does).
-template <int BlockM, int BlockN, int Stages, bool PairRule = true>
+// HeadDimV: V's (and O's) head dim where it differs from Q/K's (0: the same).
+template <int BlockM, int BlockN, int Stages, bool PairRule = true, int HeadDimV = 0>
 struct FwdTile {
   static constexpr int kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
   static constexpr bool kPairRule = PairRule;
+  static constexpr int kHeadDimV = HeadDimV;
 };
 template <int HeadDim> struct FwdTileConfig;
 template <> struct FwdTileConfig<64>  : FwdTile<128, 128, 4> {};
@@ -38,6 +40,12 @@ template <> struct FwdTileConfig<256> : FwdTile<128, 80, 2> {};
 // pick_variant): d64's 192-row tile (three consumer warpgroups) wins on long
 // sequences and loses on short causal ones. It takes no segment ids: at its
 // register budget their two live bounds made ptxas spill mainloop values.
+// The value-head-dim variants ("dv128" for 192/128 latent attention, "dv64"
+// for 128/64) keep 128-key blocks: the P.V GEMM and V ring are narrower than
+// Q.K^T's, and at 192/128 O is staged in Q's buffer to fit two stages.
+template <int HeadDim, int HeadDimV> struct FwdTileConfigV;
+template <> struct FwdTileConfigV<192, 128> : FwdTile<128, 128, 2, true, 128> {};
+template <> struct FwdTileConfigV<128, 64> : FwdTile<128, 128, 2, true, 64> {};
 
 template <class Element_, int HeadDim, class Tile = FwdTileConfig<HeadDim>>
 struct FwdTraits {
@@ -46,6 +54,8 @@ struct FwdTraits {
   static constexpr bool kPingPong = true;
   using ElementAccum = float;
   static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimV = Tile::kHeadDimV > 0 ? Tile::kHeadDimV : HeadDim;
+  static_assert(kHeadDimV <= kHeadDim, "O is staged in Q's buffer where it has no own: Hv <= H");
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
@@ -81,23 +91,23 @@ struct FwdTraits {
   // S = Q K^T (SS) and O += P V with P in registers (RS); V is read through
   // a transposed (MN-major) view of the same shared-memory tile TMA wrote.
   using TiledMmaQK = FwdTiledMmaQK<Element, kNumMmaWarpGroups, kBlockN, kHeadDim>;
-  using TiledMmaPV = FwdTiledMmaPV<Element, kNumMmaWarpGroups, kBlockN, kHeadDim, GMMA::Major::MN>;
+  using TiledMmaPV = FwdTiledMmaPV<Element, kNumMmaWarpGroups, kBlockN, kHeadDimV, GMMA::Major::MN>;
 
   using SmemLayoutQ = SmemTileKMajor<Element, kBlockM, kHeadDim>;
   using SmemLayoutK = SmemRingKMajor<Element, kBlockN, kHeadDim, kStages>;
-  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutV = SmemRingKMajor<Element, kBlockN, kHeadDimV, kStages>;
   // (d, n, stage) -> V(n, d, stage): same bytes, viewed as the MN-major B operand.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{},
-      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+      make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{},
                           Step<_2, _1, _3>{})));
   // The output tile is staged in shared memory and leaves through a TMA
   // store. It gets its own buffer when that fits, so Q can be released (and
   // the next tile's Q loaded) as soon as the last S GEMM retires; otherwise
   // (d >= 192) it reuses Q's buffer after that GEMM.
-  using SmemLayoutO = SmemLayoutQ;
+  using SmemLayoutO = SmemTileKMajor<Element, kBlockM, kHeadDimV>;
   static constexpr int kSmemBytesNoO =
-      int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutK>) + 1024;
+      int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutV>) + 1024;
   static constexpr bool kSeparateO =
       kSmemBytesNoO + int(sizeof(Element)) * cosize_v<SmemLayoutO> <= 227 * 1024;
   // Q is double-buffered where it fits next to a separate O: the producer
@@ -124,28 +134,34 @@ struct FwdTraits {
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds shared memory");
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
 
   // Global tensors as TMA sees them (common/kernel_common.h).
   using LayoutSeq = SeqLayout<kHeadDim>;
+  using LayoutSeqV = SeqLayout<kHeadDimV>;  // V and O
 
   static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
     return make_tile_tma<kBlockM, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, SmemLayoutQ{});
   }
-  static auto make_tma_kv(const Element* ptr, LayoutSeq layout) {
+  static auto make_tma_k(const Element* ptr, LayoutSeq layout) {
     return make_tile_tma<kBlockN, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, take<0, 2>(SmemLayoutK{}));
+  }
+  static auto make_tma_v(const Element* ptr, LayoutSeqV layout) {
+    return make_tile_tma<kBlockN, kHeadDimV>(SM90_TMA_LOAD{}, ptr, layout, take<0, 2>(SmemLayoutV{}));
   }
   // Each consumer warpgroup stores its own 64 rows of O (epilogue.h): the
   // store box is one warpgroup's slice of the O tile, same swizzle and strides.
   using ElementO = Element;  // epilogue.h (the FP8 kernel's O type differs from its operands')
   static constexpr int kRowsPerWG = 64;
-  using SmemLayoutOWG = decltype(get<0>(zipped_divide(SmemLayoutO{}, Shape<Int<kRowsPerWG>, Int<kHeadDim>>{})));
-  static auto make_tma_o(Element* ptr, LayoutSeq layout) {
-    return make_tile_tma<kRowsPerWG, kHeadDim>(SM90_TMA_STORE{}, ptr, layout, SmemLayoutOWG{});
+  using SmemLayoutOWG = decltype(get<0>(zipped_divide(SmemLayoutO{}, Shape<Int<kRowsPerWG>, Int<kHeadDimV>>{})));
+  static auto make_tma_o(Element* ptr, LayoutSeqV layout) {
+    return make_tile_tma<kRowsPerWG, kHeadDimV>(SM90_TMA_STORE{}, ptr, layout, SmemLayoutOWG{});
   }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
-  using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
-  using TmaO = decltype(make_tma_o(nullptr, LayoutSeq{}));
+  using TmaK = decltype(make_tma_k(nullptr, LayoutSeq{}));
+  using TmaV = decltype(make_tma_v(nullptr, LayoutSeqV{}));
+  using TmaO = decltype(make_tma_o(nullptr, LayoutSeqV{}));
 };
 
 // Stage `stage` of a forward kernel's Q buffer: SharedStorage::q holds the

@@ -3,9 +3,10 @@
 // for compute-sanitizer (memcheck/racecheck/synccheck), where an XLA process
 // spends minutes compiling, and as a smoke test that needs only the CUDA driver.
 //   jax_fa3_fwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--variant default|m192|auto]
-//   [--only all|kv]
+//   [--only all|kv] [--dv Hv]
 // (m192: d64's 192-row tile; auto: the handler's choice per problem; kv: the
-// KV-cache cases alone, for the sanitizers).
+// KV-cache cases alone, for the sanitizers; --dv: V's head dim, e.g. 128 with
+// --hdims 192 for the latent-attention tiles).
 // Exit status 0 iff every case matches, is NaN-free and bit-reproducible.
 //   jax_fa3_fwd_check --time B,T,N,D,CAUSAL [--iters 20]
 // times one shape with CUDA events (no check): a target for `ncu`.
@@ -61,16 +62,17 @@ float sink_of(int h) { return h == 1 ? 6.f : 0.7f * h - 1.f; }
 
 struct Result { double max_err_o, max_err_lse; bool nan, repro, skipped = false; };
 
-Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t seed) {
+Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, uint32_t seed) {
   const bool kv = c.kv_pack > 0, paged = kv && c.kv_page > 0;
   const int ns = kv ? c.kv_splits : 1;
   const int ppr = paged ? (c.s + c.kv_page - 1) / c.kv_page : 0, num_pages = paged ? c.b * ppr + 2 : 0;
-  const size_t nq = size_t(c.b) * c.t * c.n * d;
-  const size_t nk = paged ? size_t(num_pages) * c.kv_page * c.kh * d : size_t(c.b) * c.s * c.kh * d;
+  const size_t nq = size_t(c.b) * c.t * c.n * d, no = size_t(c.b) * c.t * c.n * dv;
+  const size_t rows = paged ? size_t(num_pages) * c.kv_page : size_t(c.b) * c.s;
+  const size_t nk = rows * c.kh * d, nv = rows * c.kh * dv;
   const size_t nlse = size_t(c.b) * c.n * c.t;
   NormalRng rng(seed);
   auto dec = [&](uint16_t h) { return check_util::from_half(h, bf16); };
-  std::vector<uint16_t> hq(nq), hk(nk), hv(nk);
+  std::vector<uint16_t> hq(nq), hk(nk), hv(nv);
   fill_normal(hq, rng, bf16);
   fill_normal(hk, rng, bf16);
   fill_normal(hv, rng, bf16);
@@ -85,18 +87,18 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
     for (int i = int(table.size()) - 1; i > 0; --i) std::swap(table[i], table[rng.gen() % (i + 1)]);
     for (int pg = 0; pg < num_pages; ++pg) {
       if (std::find(table.begin(), table.end(), pg) != table.end()) continue;
-      const size_t span = size_t(c.kv_page) * c.kh * d;
+      const size_t span = size_t(c.kv_page) * c.kh * d, span_v = size_t(c.kv_page) * c.kh * dv;
       std::fill(hk.begin() + pg * span, hk.begin() + (pg + 1) * span, uint16_t(0xFFFF));
-      std::fill(hv.begin() + pg * span, hv.begin() + (pg + 1) * span, uint16_t(0xFFFF));
+      std::fill(hv.begin() + pg * span_v, hv.begin() + (pg + 1) * span_v, uint16_t(0xFFFF));
     }
   }
-  auto kv_at = [&](int b, int j, int h) -> size_t {  // element offset of key j, kv head h
-    if (!paged) return ((size_t(b) * c.s + j) * c.kh + h) * d;
+  auto kv_at = [&](int b, int j, int h, int w) -> size_t {  // offset of key j, kv head h (rows of w)
+    if (!paged) return ((size_t(b) * c.s + j) * c.kh + h) * w;
     const size_t page = size_t(table[size_t(b) * ppr + j / c.kv_page]);
-    return ((page * c.kv_page + j % c.kv_page) * c.kh + h) * d;
+    return ((page * c.kv_page + j % c.kv_page) * c.kh + h) * w;
   };
 
-  void *dq, *dk, *dv, *dout; float *dlse, *dsinks = nullptr; int32_t *dql, *dkl, *doff = nullptr, *dtab = nullptr;
+  void *dq, *dk, *dV, *dout; float *dlse, *dsinks = nullptr; int32_t *dql, *dkl, *doff = nullptr, *dtab = nullptr;
   std::vector<float> hsinks(c.n);
   for (int h = 0; h < c.n; ++h) hsinks[h] = sink_of(h);
   if (c.sinks) {
@@ -104,12 +106,12 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
     CHECK_CUDA(cudaMemcpy(dsinks, hsinks.data(), c.n * 4, cudaMemcpyHostToDevice));
   }
   CHECK_CUDA(cudaMalloc(&dq, nq * 2)); CHECK_CUDA(cudaMalloc(&dk, nk * 2));
-  CHECK_CUDA(cudaMalloc(&dv, nk * 2)); CHECK_CUDA(cudaMalloc(&dout, nq * ns * 2));
+  CHECK_CUDA(cudaMalloc(&dV, nv * 2)); CHECK_CUDA(cudaMalloc(&dout, no * ns * 2));
   CHECK_CUDA(cudaMalloc((void**)&dlse, nlse * ns * 4));
   CHECK_CUDA(cudaMalloc((void**)&dql, c.b * 4)); CHECK_CUDA(cudaMalloc((void**)&dkl, c.b * 4));
   CHECK_CUDA(cudaMemcpy(dq, hq.data(), nq * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dv, hv.data(), nk * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dV, hv.data(), nv * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dql, qlen.data(), c.b * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dkl, kvlen.data(), c.b * 4, cudaMemcpyHostToDevice));
   if (kv) {
@@ -121,14 +123,14 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
     CHECK_CUDA(cudaMemcpy(dtab, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   }
   auto free_all = [&] {
-    cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
+    cudaFree(dq); cudaFree(dk); cudaFree(dV); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
     cudaFree(dsinks); cudaFree(doff); cudaFree(dtab);
   };
 
   jax_fa3::FwdParams p;
-  p.q = dq; p.k = dk; p.v = dv; p.o = dout; p.lse = dlse; p.q_lens = dql; p.kv_lens = dkl;
+  p.q = dq; p.k = dk; p.v = dV; p.o = dout; p.lse = dlse; p.q_lens = dql; p.kv_lens = dkl;
   p.sinks = dsinks;
-  p.b = c.b; p.t = c.t; p.s = paged ? ppr * c.kv_page : c.s; p.n = c.n; p.kh = c.kh; p.d = d;
+  p.b = c.b; p.t = c.t; p.s = paged ? ppr * c.kv_page : c.s; p.n = c.n; p.kh = c.kh; p.d = d; p.dv = dv;
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
   p.q_offset = doff; p.num_splits = ns;
@@ -141,7 +143,7 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
   std::vector<float> lse[2];
   for (int rep = 0; rep < 2; ++rep) {
     // Poison: every output element must be written by the kernel.
-    CHECK_CUDA(cudaMemset(dout, 0xFF, nq * ns * 2));
+    CHECK_CUDA(cudaMemset(dout, 0xFF, no * ns * 2));
     CHECK_CUDA(cudaMemset(dlse, 0xFF, nlse * ns * 4));
     int err = jax_fa3_fwd_launch(&p, bf16 ? 0 : 1, variant, nullptr);
     if (err == -1) {  // this (dtype, head dim, variant) is not compiled
@@ -152,21 +154,21 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
     }
     if (err != 0) { std::fprintf(stderr, "launch failed: %d\n", err); std::exit(2); }
     CHECK_CUDA(cudaDeviceSynchronize());
-    out[rep].resize(nq * ns); lse[rep].resize(nlse * ns);
-    CHECK_CUDA(cudaMemcpy(out[rep].data(), dout, nq * ns * 2, cudaMemcpyDeviceToHost));
+    out[rep].resize(no * ns); lse[rep].resize(nlse * ns);
+    CHECK_CUDA(cudaMemcpy(out[rep].data(), dout, no * ns * 2, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(lse[rep].data(), dlse, lse[rep].size() * 4, cudaMemcpyDeviceToHost));
   }
   free_all();
 
   Result r{0, 0, false, out[0] == out[1] && std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * 4) == 0};
   // The parts of a split call merged by their LSE (+inf: a part without keys).
-  std::vector<double> got_o(nq, 0.0), got_lse(nlse, INFINITY);
+  std::vector<double> got_o(no, 0.0), got_lse(nlse, INFINITY);
   for (int b = 0; b < c.b; ++b)
     for (int h = 0; h < c.n; ++h)
       for (int i = 0; i < c.t; ++i) {
         auto lse_of = [&](int z) { return double(lse[0][((size_t(b) * ns + z) * c.n + h) * c.t + i]); };
         auto o_of = [&](int z, int x) {
-          return double(dec(out[0][(((size_t(b) * ns + z) * c.t + i) * c.n + h) * d + x]));
+          return double(dec(out[0][(((size_t(b) * ns + z) * c.t + i) * c.n + h) * dv + x]));
         };
         double m = -INFINITY;
         for (int z = 0; z < ns; ++z) {
@@ -179,14 +181,14 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
         const size_t li = (size_t(b) * c.n + h) * c.t + i;
         if (total > 0) got_lse[li] = m + std::log(total);
         else if (ns == 1) got_lse[li] = lse_of(0);
-        for (int x = 0; x < d; ++x) {
+        for (int x = 0; x < dv; ++x) {
           double o = 0;
           for (int z = 0; z < ns; ++z) {
             const double oz = o_of(z, x);
             if (std::isnan(oz)) r.nan = true;
             o += total > 0 && !std::isinf(lse_of(z)) ? std::exp(lse_of(z) - m) / total * oz : (ns == 1 ? oz : 0.0);
           }
-          got_o[(size_t(b) * c.t + i) * c.n * d + size_t(h) * d + x] = o;
+          got_o[(size_t(b) * c.t + i) * c.n * dv + size_t(h) * dv + x] = o;
         }
       }
   const int group = c.n / c.kh;
@@ -201,7 +203,7 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
           bool vis = i < qlen[b] && j < kvlen[b] && (c.left < 0 || j >= pos - c.left) &&
                      (p.window_right < 0 || j <= pos + p.window_right) && seg.same(b, i, j);
           if (!vis) { sc[j] = -INFINITY; continue; }
-          const uint16_t* kj = &hk[kv_at(b, j, h / group)];
+          const uint16_t* kj = &hk[kv_at(b, j, h / group, d)];
           double acc = 0;
           for (int x = 0; x < d; ++x) acc += double(dec(qi[x])) * dec(kj[x]);
           acc *= p.scale;
@@ -218,13 +220,13 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
         if (std::isnan(gl)) r.nan = true;
         if (sum > 0) r.max_err_lse = std::max(r.max_err_lse, std::fabs(gl - ref_lse));
         else if (!(std::isinf(gl) && gl > 0)) r.max_err_lse = INFINITY;
-        for (int x = 0; x < d; ++x) {
+        for (int x = 0; x < dv; ++x) {
           double o = 0;
           if (sum > 0)
             for (int j = 0; j < c.s; ++j)
-              if (sc[j] != 0) o += sc[j] * dec(hv[kv_at(b, j, h / group) + x]);
+              if (sc[j] != 0) o += sc[j] * dec(hv[kv_at(b, j, h / group, dv) + x]);
           o = sum > 0 ? o / sum : 0.0;  // rows with no visible key (or past q_len) are 0
-          const double got = got_o[(size_t(b) * c.t + i) * c.n * d + size_t(h) * d + x];
+          const double got = got_o[(size_t(b) * c.t + i) * c.n * dv + size_t(h) * dv + x];
           if (std::isnan(got)) r.nan = true;
           r.max_err_o = std::max(r.max_err_o, std::fabs(got - o));
         }
@@ -235,14 +237,15 @@ Result run_case(const Case& c, int d, bool bf16, const char* variant, uint32_t s
 }  // namespace
 
 // Times the kernel alone on one shape (inputs: a fixed bit pattern, never zeros).
-int time_shape(const std::string& spec, bool bf16, const char* variant, int iters) {
+int time_shape(const std::string& spec, bool bf16, const char* variant, int iters, int dv_arg) {
   check_util::TimeSpec ts;
   if (!check_util::parse_time_spec(spec.c_str(), ts)) {
     std::fprintf(stderr, "--time wants B,T,N,D,CAUSAL\n");
     return 2;
   }
-  const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, causal = ts.causal;
-  const size_t elems = size_t(b) * t * n * d;
+  const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, causal = ts.causal, dv = dv_arg > 0 ? dv_arg : d;
+  const size_t elems = size_t(b) * t * n * d;  // >= V's and O's (dv <= d)
+  if (dv != d && std::strcmp(variant, "default") == 0) { variant = "auto"; }  // the value-head-dim tiles
   std::vector<uint16_t> host(elems);
   NormalRng rng(7);
   fill_normal(host, rng, bf16);
@@ -256,7 +259,7 @@ int time_shape(const std::string& spec, bool bf16, const char* variant, int iter
   CHECK_CUDA(cudaMemcpy(lens, hl.data(), b * 4, cudaMemcpyHostToDevice));
   jax_fa3::FwdParams p;
   p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse; p.q_lens = lens; p.kv_lens = lens;
-  p.b = b; p.t = t; p.s = t; p.n = n; p.kh = n; p.d = d;
+  p.b = b; p.t = t; p.s = t; p.n = n; p.kh = n; p.d = d; p.dv = dv;
   p.scale = 1.f / std::sqrt(float(d)); p.window_right = causal ? 0 : -1;
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
@@ -271,14 +274,15 @@ int time_shape(const std::string& spec, bool bf16, const char* variant, int iter
   float ms = 0;
   CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
   ms /= iters;
-  double flops = 4.0 * b * n * double(t) * t * d / (causal ? 2 : 1);
-  std::printf("fwd %s b%d t%d n%d d%d causal=%d variant=%s: %.4f ms  %.1f TFLOP/s\n",
-              bf16 ? "bf16" : "fp16", b, t, n, d, causal, variant, ms, flops / ms * 1e-9);
+  double flops = 2.0 * b * n * double(t) * t * (d + dv) / (causal ? 2 : 1);
+  std::printf("fwd %s b%d t%d n%d d%d dv%d causal=%d variant=%s: %.4f ms  %.1f TFLOP/s\n",
+              bf16 ? "bf16" : "fp16", b, t, n, d, dv, causal, variant, ms, flops / ms * 1e-9);
   return 0;
 }
 
 int main(int argc, char** argv) {
   std::string dtype = "bf16", variant = "default", time_spec, only = "all";
+  int dv_arg = 0;
   int iters = 20;
   std::vector<int> hdims = {64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -289,9 +293,10 @@ int main(int argc, char** argv) {
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
     else if (a == "--hdims") hdims = check_util::parse_int_list(argv[i + 1]);
     else if (a == "--only") only = argv[i + 1];
+    else if (a == "--dv") dv_arg = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
-  if (!time_spec.empty()) return time_shape(time_spec, dtype == "bf16", variant.c_str(), iters);
+  if (!time_spec.empty()) return time_shape(time_spec, dtype == "bf16", variant.c_str(), iters, dv_arg);
   // Odd lengths, T != S, fewer K/V tiles than stages, several ring wrap-arounds,
   // GQA, windows, softcap, seq lengths, decode (T = 1).
   const std::vector<Case> cases = {
@@ -332,16 +337,20 @@ int main(int argc, char** argv) {
       if (c.kv_page % (d >= 192 ? 80 : 128) != 0) continue;  // a page holds whole key blocks (fwd/traits.h)
       if (c.kv_pack && std::strcmp(variant.c_str(), "m192") == 0) continue;  // training shapes only
       if (only == "kv" && !c.kv_pack) continue;
-      Result r = run_case(c, d, bf16, variant.c_str(), uint32_t(1000 * d + ci));
+      const int dv = dv_arg > 0 ? dv_arg : d;
+      if (dv != d && c.kv_pack) continue;  // KV caches share one head dim
+      // A value head dim unlike d has its own tiles: the handler's pick.
+      const char* var = dv != d && variant == "default" ? "auto" : variant.c_str();
+      Result r = run_case(c, d, dv, bf16, var, uint32_t(1000 * d + ci));
       if (r.skipped) {
         std::printf("%s d%d: not compiled, skipped\n", dtype.c_str(), d);
         break;
       }
       bool ok = !r.nan && r.repro && r.max_err_o <= tol_o && r.max_err_lse <= 1e-3;
       failures += !ok;
-      std::printf("%s d%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d docs=%d%s%s  "
+      std::printf("%s d%-3d dv%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d docs=%d%s%s  "
                   "%s max|dO|=%.2e max|dLSE|=%.2e nan=%d repro=%d  %s\n",
-                  dtype.c_str(), d, c.b, c.t, c.s, c.n, c.kh, c.causal, c.left, c.right, c.softcap,
+                  dtype.c_str(), d, dv, c.b, c.t, c.s, c.n, c.kh, c.causal, c.left, c.right, c.softcap,
                   c.lens, c.docs, c.scattered ? "s" : (c.as_mask ? "m" : ""), c.sinks ? " sinks" : "",
                   c.kv_pack ? (" kv pack=" + std::to_string(c.kv_pack) + " splits=" + std::to_string(c.kv_splits) +
                                " page=" + std::to_string(c.kv_page)).c_str() : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
