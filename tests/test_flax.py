@@ -119,3 +119,52 @@ def test_dtype_cast_and_no_batch_dims():
   assert out.dtype == jnp.bfloat16 and out.shape == q.shape
   ref = nn.dot_product_attention(q, q, q)
   close(out, ref, rtol=3e-2, atol=3e-2)
+
+
+class _LatentAttention(nn.Module):
+  """A DeepSeek-shaped attention block: queries and keys of head dim 192,
+  values of 128, causal, no GQA; attention in bfloat16 (on an H100/H200 the
+  forward runs the 192/128 kernel tiles)."""
+  heads: int = 2
+
+  @nn.compact
+  def __call__(self, x, attend=None):
+    attend = attend or jax_fa3.attention
+    B, T, _ = x.shape
+    bf = lambda a: a.astype(jnp.bfloat16)  # noqa: E731
+    q = nn.Dense(self.heads * 192)(x).reshape(B, T, self.heads, 192)
+    k = nn.Dense(self.heads * 192)(x).reshape(B, T, self.heads, 192)
+    v = nn.Dense(self.heads * 128)(x).reshape(B, T, self.heads, 128)
+    o = attend(bf(q), bf(k), bf(v), is_causal=True).astype(jnp.float32)
+    return nn.Dense(x.shape[-1])(o.reshape(B, T, self.heads * 128))
+
+
+def _dense_causal(q, k, v, is_causal):
+  q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+  s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+  s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+  return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, -1), v)
+
+
+def test_latent_attention_block_trains():
+  # The loss of a regression onto a causal target falls under plain SGD, and
+  # the gradients match the same block on a dense float32 softmax (up to
+  # bfloat16 rounding).
+  x = jax.random.normal(jax.random.key(0), (2, 40, 16))
+  y = jnp.cumsum(x, axis=1) / jnp.arange(1, 41)[None, :, None]  # causal means
+  model = _LatentAttention()
+  params = model.init(jax.random.key(1), x)
+  loss = lambda p, f=None: jnp.mean((model.apply(p, x, f) - y) ** 2)  # noqa: E731
+  grad = jax.jit(jax.grad(loss))
+  step = jax.jit(lambda p: jax.tree.map(lambda a, g: a - 0.05 * g, p, grad(p)))
+  got = grad(params)
+  want = jax.jit(jax.grad(lambda p: loss(p, _dense_causal)))(params)
+  # Against the largest gradient: the query/key biases' nearly cancel (a
+  # softmax ignores a shift of a row), leaving bfloat16 noise alone there.
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert float(jnp.max(jnp.abs(g - w))) <= 2e-2 * scale
+  first = float(loss(params))
+  for _ in range(40):
+    params = step(params)
+  assert float(loss(params)) < 0.5 * first
