@@ -47,15 +47,17 @@ constexpr Target kTargets[] = {
 
 using Config = std::pair<std::string, int>;
 
+// DType numbering (cc/fwd/params.h) -> the dtype's NumPy name.
+const char* dtype_name(int dtype) { return dtype == 0 ? "bfloat16" : "float16"; }
+
 // (dtype name, head dim) of the rows of one kernel table that `config`
 // accepts; config(i, &dtype, &head_dim) fills row i (DType numbering).
 template <class ConfigFn>
 std::vector<Config> list_configs(int count, ConfigFn config) {
-  static const char* names[] = {"bfloat16", "float16"};
   std::vector<Config> out;
   for (int i = 0; i < count; ++i) {
     int dtype = 0, head_dim = 0;
-    if (config(i, &dtype, &head_dim)) { out.emplace_back(names[dtype], head_dim); }
+    if (config(i, &dtype, &head_dim)) { out.emplace_back(dtype_name(dtype), head_dim); }
   }
   return out;
 }
@@ -88,7 +90,7 @@ NB_MODULE(_jax_fa3, m) {
       int dtype = 0, head_dim = 0;
       jax_fa3_fwd_kernel_config(i, &dtype, &head_dim);
       if (const int dv = jax_fa3_fwd_kernel_value_dim(i)) {
-        out.emplace_back(dtype == 0 ? "bfloat16" : "float16", head_dim, dv);
+        out.emplace_back(dtype_name(dtype), head_dim, dv);
       }
     }
     return out;
