@@ -21,7 +21,7 @@ int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim);
 int jax_fa3_fwd_kernel_value_dim(int i);
 void* jax_fa3_bwd_handler();
 int jax_fa3_num_bwd_kernels();
-void jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim);
+int jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim);
 void* jax_fa3_fp8_quantize_handler();
 void* jax_fa3_fp8_fwd_handler();
 int jax_fa3_num_fp8_fwd_kernels();
@@ -95,10 +95,22 @@ NB_MODULE(_jax_fa3, m) {
     }
     return out;
   });
-  // (dtype, head dim) pairs with a backward kernel; the others differentiate
-  // through the reference backward.
+  // (dtype, head dim) pairs with a backward kernel (V's head dim the same);
+  // the others differentiate through the reference backward.
   m.def("compiled_bwd_configs", [] {
-    return list_configs(jax_fa3_num_bwd_kernels(), every_row<jax_fa3_bwd_kernel_config>);
+    return list_configs(jax_fa3_num_bwd_kernels(), [](int i, int* dtype, int* head_dim) {
+      return jax_fa3_bwd_kernel_config(i, dtype, head_dim) == *head_dim;
+    });
+  });
+  // (dtype, head dim, value head dim) of the backward kernels for a V head dim unlike Q/K's.
+  m.def("compiled_bwd_value_configs", [] {
+    std::vector<std::tuple<std::string, int, int>> out;
+    for (int i = 0; i < jax_fa3_num_bwd_kernels(); ++i) {
+      int dtype = 0, head_dim = 0;
+      const int dv = jax_fa3_bwd_kernel_config(i, &dtype, &head_dim);
+      if (dv != head_dim) { out.emplace_back(dtype_name(dtype), head_dim, dv); }
+    }
+    return out;
   });
   // (output dtype, head dim) pairs with an FP8 forward kernel, one per V layout.
   m.def("compiled_fp8_configs", [] {

@@ -95,13 +95,19 @@ for stage in "$@"; do
       ( r=0
         timeout 300 $BWD_CHECK --hdims 64,96,128,192,256 || r=1
         timeout 200 $BWD_CHECK --dtype fp16 --hdims 64,128,256 || r=1
+        for dt in bf16 fp16; do  # the value-head-dim kernels (192/128, 128/64)
+          timeout 120 $BWD_CHECK --dtype $dt --hdims 192 --dv 128 || r=1
+          timeout 120 $BWD_CHECK --dtype $dt --hdims 128 --dv 64 || r=1
+        done
         exit $r ) 2>&1 | tee "$OUT/bwd_check.log" | grep -E "^FAIL|skipped|^PASSED|^FAILED|HANG|ERROR" ;;
     bwdsanitize)  # the backward driver under each tool, time-boxed (deterministic dQ spins on semaphores:
-      # a hang costs one tool, and the driver's watchdog names the case); BWD_SANITIZE_TOOLS="racecheck" runs one
+      # a hang costs one tool, and the driver's watchdog names the case); BWD_SANITIZE_TOOLS="racecheck" runs one,
+      # BWD_SANITIZE_HDIMS=192 BWD_SANITIZE_ARGS="--dv 128" a value-head-dim kernel
       bad=0
       for tool in ${BWD_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
         timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool $tool --error-exitcode 9 \
-          $BWD_CHECK --hdims ${BWD_SANITIZE_HDIMS:-64,128,256} --watchdog 150 > "$OUT/bwd_sanitize_$tool.log" 2>&1
+          $BWD_CHECK --hdims ${BWD_SANITIZE_HDIMS:-64,128,256} --watchdog 150 ${BWD_SANITIZE_ARGS:-} \
+          > "$OUT/bwd_sanitize_$tool.log" 2>&1
         r=$?; echo "$tool rc=$r"; [ $r -eq 0 ] || bad=1
         grep -E "^FAIL|HANG" "$OUT/bwd_sanitize_$tool.log" | head -5; tail -3 "$OUT/bwd_sanitize_$tool.log"
       done; (exit $bad) ;;

@@ -26,11 +26,11 @@ template <class Traits>
 struct BwdKernelParams {
   BwdParams bwd;
   typename Traits::TmaQ tma_q;
-  typename Traits::TmaQ tma_do;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
-  typename Traits::TmadKV tma_dk;
-  typename Traits::TmadKV tma_dv;
+  typename Traits::TmadO tma_do;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
+  typename Traits::TmadK tma_dk;
+  typename Traits::TmadV tma_dv;
   BwdTileOrder tiles;
 };
 
@@ -134,7 +134,7 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
         const int n_block = tile.n_block, kv_head = tile.kv_head, batch = tile.batch;
         const auto mask = make_mask(tile);
         Tensor acc_dk = partition_fragment_C(mainloop.mma_kv, typename Traits::TileKV{});
-        Tensor acc_dv = partition_fragment_C(mainloop.mma_kv, typename Traits::TileKV{});
+        Tensor acc_dv = partition_fragment_C(mainloop.mma_dv, typename Traits::TileV{});
         clear(acc_dk);
         clear(acc_dv);
         if (mask.m_block_max > mask.m_block_min) {
@@ -180,14 +180,15 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
 #endif
 }
 
-// Host launcher for one instantiation.
-template <class Element, int HeadDim>
+// Host launcher for one instantiation (HeadDimV: V's, O's and dV's head dim).
+template <class Element, int HeadDim, int HeadDimV = HeadDim>
 cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
-  using Traits = BwdTraits<Element, HeadDim>;
+  using Traits = BwdTraits<Element, HeadDim, HeadDimV>;
   auto layout = btnh_layout<HeadDim>;
-  constexpr int kPreRows = PreprocessMap<Element, HeadDim>::kRowsPerBlock;
+  auto layout_v = btnh_layout<HeadDimV>;
+  constexpr int kPreRows = PreprocessMap<Element, HeadDimV>::kRowsPerBlock;
   const dim3 rows_grid((p.t_pad + kPreRows - 1) / kPreRows, p.n, p.b);
-  bwd_preprocess<Element, HeadDim><<<rows_grid, kBwdPreWarps * 32, 0, stream>>>(p);
+  bwd_preprocess<Element, HeadDim, HeadDimV><<<rows_grid, kBwdPreWarps * 32, 0, stream>>>(p);
   cudaError_t err = cudaMemsetAsync(p.semaphore, 0,
                                     sizeof(int32_t) * size_t(p.b) * p.n * (p.t_pad / kBwdBlockM), stream);
   if (err != cudaSuccess) { return err; }
@@ -207,11 +208,11 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   BwdKernelParams<Traits> kp{
       p,
       Traits::make_tma_q(static_cast<const Element*>(p.q), layout(p.t, p.n, p.b)),
-      Traits::make_tma_q(static_cast<const Element*>(p.dout), layout(p.t, p.n, p.b)),
-      Traits::make_tma_kv(static_cast<const Element*>(p.k), layout(p.s, p.kh, p.b)),
-      Traits::make_tma_kv(static_cast<const Element*>(p.v), layout(p.s, p.kh, p.b)),
-      Traits::make_tma_dkv(static_cast<Element*>(p.dk), layout(p.s, p.kh, p.b)),
-      Traits::make_tma_dkv(static_cast<Element*>(p.dv), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_do(static_cast<const Element*>(p.dout), layout_v(p.t, p.n, p.b)),
+      Traits::make_tma_k(static_cast<const Element*>(p.k), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_v(static_cast<const Element*>(p.v), layout_v(p.s, p.kh, p.b)),
+      Traits::make_tma_dk(static_cast<Element*>(p.dk), layout(p.s, p.kh, p.b)),
+      Traits::make_tma_dv(static_cast<Element*>(p.dv), layout_v(p.s, p.kh, p.b)),
       tiles,
   };
   // One persistent CTA per SM (the register split below takes a whole SM's

@@ -34,6 +34,7 @@ struct BwdMainloop {
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmaKV mma_kv;
+  typename Traits::TiledMmadV mma_dv;
   typename Traits::TiledMmaQ mma_q;
   int dq_buf = 0;  // staging buffer of the next dQ reduce (kDqBufs > 1), kept across heads
 
@@ -51,10 +52,10 @@ struct BwdMainloop {
   // Softcap is a template parameter: the plain path then keeps neither the
   // raw scores nor the tanh-derivative selects live (registers are tight).
   // So is Deterministic (== p.deterministic; a kernel parameter, kernel.h).
-  template <bool Softcap, bool Deterministic, class PipelineQdO, class StateQdO, class TKV>
+  template <bool Softcap, bool Deterministic, class PipelineQdO, class StateQdO, class TK, class TV>
   CUTE_DEVICE void run_head(const BwdParams& p, typename Traits::SharedStorage& smem, int mma_tid,
                             const Mask& mask, int n_block, int head, int batch,
-                            PipelineQdO& pipe, StateQdO& state, TKV& acc_dk, TKV& acc_dv) {
+                            PipelineQdO& pipe, StateQdO& state, TK& acc_dk, TV& acc_dv) {
     using TileSdP = typename Traits::TileSdP;
     using TileQ = typename Traits::TileQ;
     // The GEMMs' shared-memory operands, as tensors over an opaque base that the
@@ -140,6 +141,7 @@ struct BwdMainloop {
       if constexpr (Traits::kFreshThreadIndex) { asm volatile("" : "+r"(mma_tid)); }
       auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
       auto thr_kv = mma_kv.get_thread_slice(mma_tid);
+      auto thr_dv = mma_dv.get_thread_slice(mma_tid);
       auto thr_q = mma_q.get_thread_slice(mma_tid);
       auto thr_r2s = r2s.get_thread_slice(mma_tid);
       Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
@@ -152,7 +154,7 @@ struct BwdMainloop {
       Tensor tSrQ = thr_sdp.partition_fragment_B(smem_operand(smem.q.data(), typename Traits::SmemLayoutQ{}));
       Tensor tSrdO = thr_sdp.partition_fragment_B(smem_operand(smem.dout.data(), typename Traits::SmemLayoutdO{}));
       // (MMA, d, m, stage)
-      Tensor tKVrdOt = thr_kv.partition_fragment_B(smem_operand(smem.dout.data(), typename Traits::SmemLayoutdOt{}));
+      Tensor tKVrdOt = thr_dv.partition_fragment_B(smem_operand(smem.dout.data(), typename Traits::SmemLayoutdOt{}));
       Tensor tKVrQt = thr_kv.partition_fragment_B(smem_operand(smem.q.data(), typename Traits::SmemLayoutQt{}));
       // (MMA, m, n)
       Tensor tQrdS = thr_q.partition_fragment_A(smem_operand(smem.ds.data(), typename Traits::SmemLayoutdS{}));
@@ -183,7 +185,7 @@ struct BwdMainloop {
       // is ready and runs under the dS arithmetic and staging.
       auto issue_dv = [&] {
         if constexpr (!Traits::kStagePdS) {
-          warpgroup_gemm<false, -1>(mma_kv, tKVrP, tKVrdOt(_, _, _, state.index()), acc_dv);
+          warpgroup_gemm<false, -1>(mma_dv, tKVrP, tKVrdOt(_, _, _, state.index()), acc_dv);
         }
       };
       if constexpr (!softcap) {
@@ -289,14 +291,14 @@ struct BwdMainloop {
         // Each warpgroup holds a column slice of P^T / dS^T but needs all of
         // it: stage both (same FREE / READY protocol as dS above).
         // (MMA, n, m) descriptors
-        Tensor tKVsP = thr_kv.partition_fragment_A(smem_operand(smem.p.data(), typename Traits::SmemLayoutdSt{}));
+        Tensor tKVsP = thr_dv.partition_fragment_A(smem_operand(smem.p.data(), typename Traits::SmemLayoutdSt{}));
         Tensor tKVsdS = thr_kv.partition_fragment_A(smem_operand(smem.ds.data(), typename Traits::SmemLayoutdSt{}));
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
         copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(stage_target(smem.p.data())));
         copy(r2s, thr_r2s.retile_S(rdS), tR2SsdS);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSReady);
-        warpgroup_gemm<false, -1>(mma_kv, tKVsP, tKVrdOt(_, _, _, state.index()), acc_dv);
+        warpgroup_gemm<false, -1>(mma_dv, tKVsP, tKVrdOt(_, _, _, state.index()), acc_dv);
         warpgroup_gemm<false, -1>(mma_kv, tKVsdS, tKVrQt(_, _, _, state.index()), acc_dk);
         warpgroup_gemm<true, -1>(mma_q, tQrdS, tQrKt(0), acc_dq);
         warpgroup_wait<0>();

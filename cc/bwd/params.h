@@ -35,19 +35,19 @@ inline int64_t bwd_split_scratch_floats(int b, int s, int kh, int d) {
 }
 
 struct BwdParams {
-  // BTNH tensors, contiguous, as in FwdParams.
+  // BTNH tensors, contiguous, as in FwdParams (d_v: V's head dim).
   const void* q = nullptr;     // [b, t, n, d]
   const void* k = nullptr;     // [b, s, kh, d]
-  const void* v = nullptr;     // [b, s, kh, d]
-  const void* o = nullptr;     // [b, t, n, d]
-  const void* dout = nullptr;  // [b, t, n, d]
+  const void* v = nullptr;     // [b, s, kh, d_v]
+  const void* o = nullptr;     // [b, t, n, d_v]
+  const void* dout = nullptr;  // [b, t, n, d_v]
   const float* lse = nullptr;  // [b, n, t] natural log, +inf for rows that see no key
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
   PairRuleParams pair;
   void* dq = nullptr;          // [b, t, n, d]
   void* dk = nullptr;          // [b, s, kh, d]
-  void* dv = nullptr;          // [b, s, kh, d]
+  void* dv = nullptr;          // [b, s, kh, d_v]
   // Scratch (extra custom-call outputs; t_pad = round_up(t, kBwdRowPad)).
   float* dq_accum = nullptr;   // [b, n, t_pad, d] fp32 sum of dS K over key blocks
   float* delta = nullptr;      // [b, n, t_pad] rowsum(dO * O)
@@ -62,6 +62,7 @@ struct BwdParams {
   int window_left = -1, window_right = -1;
   bool deterministic = false;  // fixed-order dQ sums; never splits key blocks (tile_scheduler.h)
   int num_sms = 0;
+  int d_v = 0;  // V's, O's and dV's head dim (latent attention: 128 at d = 192); 0: d
 };
 
 using BwdLauncher = cudaError_t (*)(const BwdParams&, cudaStream_t);
@@ -69,6 +70,7 @@ using BwdLauncher = cudaError_t (*)(const BwdParams&, cudaStream_t);
 struct BwdKernelEntry {
   DType dtype;
   int head_dim;
+  int head_dim_v;  // V's head dim: head_dim, or a value-head-dim tile's (fwd/traits.h, FwdTileConfigV)
   BwdLauncher launch;
 };
 

@@ -1,5 +1,5 @@
 // The two small kernels around the main backward kernel:
-//  - preprocess (d / 8 lanes per query row): delta = rowsum(dO * O) in fp32,
+//  - preprocess (Hv / 8 lanes per query row): delta = rowsum(dO * O) in fp32,
 //    lse in base-2 units (+inf on the padding rows so they contribute
 //    nothing), dQ accumulator zeroed;
 //  - postprocess: dQ = scale * dQ_accum (fragment order, see dq_accum.h),
@@ -29,10 +29,11 @@ struct PreprocessMap {
   static constexpr int kReduceLanes = kRowsPerWarp > 1 ? kLanesPerRow : 32;
 };
 
-template <class Element, int HeadDim>
+// O and dO rows are HeadDimV wide, the dQ accumulator's HeadDim.
+template <class Element, int HeadDim, int HeadDimV = HeadDim>
 __global__ void __launch_bounds__(kBwdPreWarps * 32)
 bwd_preprocess(const BwdParams p) {
-  using Map = PreprocessMap<Element, HeadDim>;
+  using Map = PreprocessMap<Element, HeadDimV>;
   constexpr int kVec = Map::kVec;
   const int lane = threadIdx.x % 32;
   const int sub = lane / Map::kLanesPerRow;  // row within the warp
@@ -47,7 +48,7 @@ bwd_preprocess(const BwdParams p) {
   }
   float acc = 0.f;
   if (active && row < p.t) {
-    const int64_t off = ((int64_t(batch) * p.t + row) * p.n + head) * HeadDim + col;
+    const int64_t off = ((int64_t(batch) * p.t + row) * p.n + head) * HeadDimV + col;
     const uint4 ov = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.o) + off);
     const uint4 dv = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + off);
     const Element* oe = reinterpret_cast<const Element*>(&ov);
@@ -63,9 +64,12 @@ bwd_preprocess(const BwdParams p) {
     p.lse_log2[r] = row < p.t ? p.lse[(int64_t(batch) * p.n + head) * p.t + row] * 1.44269504088896340736f
                               : INFINITY;
   }
-  float4* dq = reinterpret_cast<float4*>(p.dq_accum + r * HeadDim + col);
+  // The row's lanes zero its HeadDim accumulator columns in float4 steps.
+  static_assert(HeadDim % (4 * Map::kLanesPerRow) == 0);
+  constexpr int kDqVecs = HeadDim / (4 * Map::kLanesPerRow);
+  float4* dq = reinterpret_cast<float4*>(p.dq_accum + r * HeadDim) + col / kVec * kDqVecs;
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kVec / 4; ++i) { dq[i] = make_float4(0.f, 0.f, 0.f, 0.f); }
+  for (int i = 0; i < kDqVecs; ++i) { dq[i] = make_float4(0.f, 0.f, 0.f, 0.f); }
 }
 
 // One CTA of kNumMmaThreads per (query block, head, batch): thread t reads

@@ -19,6 +19,7 @@ struct BwdProducer {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
 
   const KernelParams& params;
   typename Traits::SharedStorage& smem;
@@ -34,12 +35,12 @@ struct BwdProducer {
     Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
 
     Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.s, Int<kHeadDim>{}, p.kh, p.b));
-    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.s, Int<kHeadDim>{}, p.kh, p.b));
+    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.s, Int<kHeadDimV>{}, p.kh, p.b));
     Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
-    Tensor mdO = params.tma_do.get_tma_tensor(make_shape(p.t, Int<kHeadDim>{}, p.n, p.b));
+    Tensor mdO = params.tma_do.get_tma_tensor(make_shape(p.t, Int<kHeadDimV>{}, p.n, p.b));
     Tensor gK = local_tile(mK(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(n_block, _0{}));
-    Tensor gV = local_tile(mV(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+    Tensor gV = local_tile(mV(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
                            make_coord(n_block, _0{}));
     auto [tKgK, tKsK] = tma_views(params.tma_k, sK, gK);
     auto [tVgV, tVsV] = tma_views(params.tma_v, sV, gV);
@@ -54,7 +55,7 @@ struct BwdProducer {
       const int head = kv_head * group + g;
       Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(_, _0{}));  // (BM, D, m_blocks)
-      Tensor gdO = local_tile(mdO(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+      Tensor gdO = local_tile(mdO(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDimV>>{},
                               make_coord(_, _0{}));
       auto [tQgQ, tQsQ] = tma_views(params.tma_q, sQ, gQ);
       auto [tdOgdO, tdOsdO] = tma_views(params.tma_do, sdO, gdO);

@@ -11,6 +11,8 @@
 //                   split d, or d64's 128 query rows) [kBlockM x d]
 // Large head dims (kStagePdS, see BwdTileConfig) stage P as well and run dV/dK
 // as SS GEMMs with the warpgroups splitting d; dQ may go in column chunks.
+// V, dO and dV may have a head dim Hv of their own (latent attention's
+// 192/128): dP^T reduces over Hv and dV is Hv wide; the tile is Q/K's.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -48,11 +50,14 @@ template <> struct BwdTileConfig<128> { static constexpr int kBlockM = kBwdBlock
 template <> struct BwdTileConfig<192> { static constexpr int kBlockM = kBwdBlockM, kBlockN = 64,  kStages = 2; static constexpr bool kStagePdS = true; static constexpr int kDqChunks = 1; };
 template <> struct BwdTileConfig<256> { static constexpr int kBlockM = kBwdBlockM, kBlockN = 64,  kStages = 1; static constexpr bool kStagePdS = true; static constexpr int kDqChunks = 2; };
 
-template <class Element_, int HeadDim>
+template <class Element_, int HeadDim, int HeadDimV = HeadDim>
 struct BwdTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimV = HeadDimV;
+  // dK and dV are staged one after the other in the dQ buffer (epilogue.h).
+  static_assert(kHeadDimV <= kHeadDim && kHeadDimV % 16 == 0, "Hv <= H, whole WGMMA k-steps");
   static constexpr int kBlockM = BwdTileConfig<HeadDim>::kBlockM;
   static constexpr int kBlockN = BwdTileConfig<HeadDim>::kBlockN;
   static constexpr int kStages = BwdTileConfig<HeadDim>::kStages;
@@ -76,7 +81,8 @@ struct BwdTraits {
   static constexpr int kConsumerRegs = 240;
 
   using TileSdP = Shape<Int<kBlockN>, Int<kBlockM>>;   // S^T, dP^T
-  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;   // dK, dV
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;   // dK
+  using TileV = Shape<Int<kBlockN>, Int<kHeadDimV>>;   // dV
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;    // dQ
   using SmemLayoutdQ = Layout<TileQ, Stride<Int<kHeadDim>, _1>>;
 
@@ -96,34 +102,42 @@ struct BwdTraits {
   static constexpr int kDqAtomN = kHeadDim / kDqChunks / (kDqSplitRows ? 1 : kNumMmaWarpGroups);
   static constexpr int kSdPAtomN = kStagePdS ? kBlockM / kNumMmaWarpGroups : kBlockM;
   static constexpr int kKVAtomN = kStagePdS ? kHeadDim / kNumMmaWarpGroups : kHeadDim;
+  static constexpr int kdVAtomN = kStagePdS ? kHeadDimV / kNumMmaWarpGroups : kHeadDimV;
 
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kSdPAtomN>, Int<kHeadDim>>>(),
       AtomLayoutSdP{}));
-  using TiledMmaKV = decltype(make_tiled_mma(
+  // dK += dS^T Q and dV += P^T dO: one GEMM shape, N = the warpgroup's share of H or Hv.
+  template <int AtomN>
+  using TiledMmaKVn = decltype(make_tiled_mma(
       std::conditional_t<kStagePdS,
-          decltype(GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kKVAtomN>, Int<kBlockM>>,
+          decltype(GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<AtomN>, Int<kBlockM>>,
                                         GMMA::Major::MN, GMMA::Major::MN>()),
-          decltype(GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kKVAtomN>, Int<kBlockM>>,
+          decltype(GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<AtomN>, Int<kBlockM>>,
                                         GMMA::Major::K, GMMA::Major::MN>())>{},
       AtomLayoutKV{}));
+  using TiledMmaKV = TiledMmaKVn<kKVAtomN>;
+  using TiledMmadV = TiledMmaKVn<kdVAtomN>;
   using TiledMmaQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum,
                            Shape<_64, Int<kDqAtomN>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayoutQ{}));
 
-  // Q and dO: (kBlockM, d, stage), head dim contiguous (as TMA writes them).
-  // Read MN-major (dO^T, Q^T) by the dV/dK GEMMs: on the staged path each
-  // warpgroup's d/2 columns must be whole swizzle atoms (d192: SW64).
+  // Q and dO: (kBlockM, H or Hv, stage), head dim contiguous (as TMA writes
+  // them). Read MN-major (Q^T, dO^T) by the dK/dV GEMMs: on the staged path
+  // each warpgroup's columns must be whole swizzle atoms (d192: SW64).
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
       GMMA::Major::K, Element, Int<kBlockM>, Int<kKVAtomN>>());
+  using SmemAtomdO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+      GMMA::Major::K, Element, Int<kBlockM>, Int<kdVAtomN>>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutdO = SmemLayoutQ;
-  // (d, m, stage) -> Q(m, d, stage): the MN-major B operand of dK += dS^T Q.
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomdO{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStages>>{}));
+  // (d, m, stage) -> Q(m, d, stage): the MN-major B operand of dK += dS^T Q (dO^T likewise for dV).
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   // K and V: (kBlockN, d), loaded once per CTA. Read MN-major by the dQ GEMM,
   // each warpgroup's d/2 columns must be whole swizzle atoms: d = 96 (48 per
   // warpgroup) takes the 16-element SW32 atom instead of the selector's SW64.
@@ -132,7 +146,9 @@ struct BwdTraits {
       decltype(cutlass::gemm::collective::detail::ss_smem_selector<
           GMMA::Major::K, Element, Int<kBlockN>, Int<kKVAtomN / kDqChunks>>())>;
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutV = SmemLayoutK;
+  // V is only read K-major (the A operand of dP^T = V dO^T): any swizzle.
+  using SmemLayoutV = std::conditional_t<kHeadDimV == kHeadDim, SmemLayoutK,
+                                         SmemTileKMajor<Element, kBlockN, kHeadDimV>>;
   // (d, n) -> K(n, d): the MN-major B operand of dQ = dS K.
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
@@ -195,32 +211,46 @@ struct BwdTraits {
     int split_last;  // split key blocks: this share finished last (epilogue.h)
   };
   static constexpr int kdKVStageElems = cute::cosize_v<SmemLayoutK>;  // dK, then dV, in SharedStorage::dq
-  static_assert(2 * kdKVStageElems * sizeof(Element) <= kDqBufs * kBlockM * kHeadDim * sizeof(float));
+  static_assert((kdKVStageElems + cute::cosize_v<SmemLayoutV>) * sizeof(Element) <=
+                kDqBufs * kBlockM * kHeadDim * sizeof(float));
   static_assert(kdKVStageElems * sizeof(Element) % 1024 == 0, "dV's stage keeps the swizzle alignment");
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds shared memory");
 
   static constexpr uint32_t kBytesRowStats = kBlockM * sizeof(float);  // one of lse / delta
-  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBytesRowStats;
-  static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesQdO = kBlockM * (kHeadDim + kHeadDimV) * sizeof(Element) + 2 * kBytesRowStats;
+  static constexpr uint32_t kTmaBytesKV = kBlockN * (kHeadDim + kHeadDimV) * sizeof(Element);
 
-  // Global tensors as TMA sees them (common/kernel_common.h).
+  // Global tensors as TMA sees them (common/kernel_common.h): Q, K, dQ, dK
+  // are H wide, V, O, dO, dV Hv wide.
   using LayoutSeq = SeqLayout<kHeadDim>;
+  using LayoutSeqV = SeqLayout<kHeadDimV>;
 
   static auto make_tma_q(const Element* ptr, LayoutSeq layout) {
     return make_tile_tma<kBlockM, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, take<0, 2>(SmemLayoutQ{}));
   }
-  static auto make_tma_kv(const Element* ptr, LayoutSeq layout) {
+  static auto make_tma_do(const Element* ptr, LayoutSeqV layout) {
+    return make_tile_tma<kBlockM, kHeadDimV>(SM90_TMA_LOAD{}, ptr, layout, take<0, 2>(SmemLayoutdO{}));
+  }
+  static auto make_tma_k(const Element* ptr, LayoutSeq layout) {
     return make_tile_tma<kBlockN, kHeadDim>(SM90_TMA_LOAD{}, ptr, layout, SmemLayoutK{});
   }
-  // dK and dV leave through TMA stores out of the K and V buffers, which are
-  // free once every GEMM of the CTA has retired (same shape and swizzle).
-  static auto make_tma_dkv(Element* ptr, LayoutSeq layout) {
+  static auto make_tma_v(const Element* ptr, LayoutSeqV layout) {
+    return make_tile_tma<kBlockN, kHeadDimV>(SM90_TMA_LOAD{}, ptr, layout, SmemLayoutV{});
+  }
+  // dK and dV leave through TMA stores of tiles staged like K and V (epilogue.h).
+  static auto make_tma_dk(Element* ptr, LayoutSeq layout) {
     return make_tile_tma<kBlockN, kHeadDim>(SM90_TMA_STORE{}, ptr, layout, SmemLayoutK{});
   }
+  static auto make_tma_dv(Element* ptr, LayoutSeqV layout) {
+    return make_tile_tma<kBlockN, kHeadDimV>(SM90_TMA_STORE{}, ptr, layout, SmemLayoutV{});
+  }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutSeq{}));
-  using TmaKV = decltype(make_tma_kv(nullptr, LayoutSeq{}));
-  using TmadKV = decltype(make_tma_dkv(nullptr, LayoutSeq{}));
+  using TmadO = decltype(make_tma_do(nullptr, LayoutSeqV{}));
+  using TmaK = decltype(make_tma_k(nullptr, LayoutSeq{}));
+  using TmaV = decltype(make_tma_v(nullptr, LayoutSeqV{}));
+  using TmadK = decltype(make_tma_dk(nullptr, LayoutSeq{}));
+  using TmadV = decltype(make_tma_dv(nullptr, LayoutSeqV{}));
 };
 
 }  // namespace jax_fa3

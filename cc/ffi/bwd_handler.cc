@@ -19,19 +19,20 @@ namespace {
 
 constexpr const char* kWho = "jax_fa3_bwd";
 
-const BwdKernelEntry* find_kernel(DType dtype, int head_dim) {
+const BwdKernelEntry* find_kernel(DType dtype, int head_dim, int head_dim_v) {
   return find_entry(kBwdKernels, kNumBwdKernels, [&](const BwdKernelEntry& e) {
-    return e.dtype == dtype && e.head_dim == head_dim;
+    return e.dtype == dtype && e.head_dim == head_dim && e.head_dim_v == head_dim_v;
   });
 }
 
 // Query rows of the fp32 scratch (BwdParams::t_pad).
 int padded_rows(int t) { return (t + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad; }
 
+// Equal dimensions but for the last (the head dim), which is b's `last`.
 template <class A, class B>
-bool same_dims(const A& a, const B& b) {
-  if (a.size() != b.size()) { return false; }
-  for (size_t i = 0; i < a.size(); ++i) {
+bool same_dims_but_last(const A& a, const B& b, int64_t last) {
+  if (a.size() != b.size() || a.size() == 0 || b[b.size() - 1] != last) { return false; }
+  for (size_t i = 0; i + 1 < a.size(); ++i) {
     if (a[i] != b[i]) { return false; }
   }
   return true;
@@ -59,10 +60,15 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   set_dims(p, q, k);
   p.t_pad = padded_rows(p.t);
   const size_t rows = size_t(p.b) * p.n * p.t_pad;
-  if (!k_matches_q(p, k) || !same_dims(v.dimensions(), k.dimensions()) ||
-      !same_dims(o.dimensions(), q.dimensions()) || !same_dims(dout.dimensions(), q.dimensions()) ||
+  p.d_v = int(v.dimensions()[3]);
+  if (!k_matches_q(p, k) || !same_dims_but_last(k.dimensions(), v.dimensions(), p.d_v) ||
+      !same_dims_but_last(q.dimensions(), o.dimensions(), p.d_v) ||
+      !same_dims_but_last(q.dimensions(), dout.dimensions(), p.d_v) ||
+      !same_dims_but_last(k.dimensions(), dk->dimensions(), p.d) ||
+      !same_dims_but_last(k.dimensions(), dv->dimensions(), p.d_v) ||
+      !same_dims_but_last(q.dimensions(), dq->dimensions(), p.d) ||
       lse.element_count() != size_t(p.b) * p.n * p.t) {
-    return invalid(kWho, "inconsistent q/k/v/out/lse/dout shapes");
+    return invalid(kWho, "inconsistent q/k/v/out/lse/dout/gradient shapes");
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
   if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
@@ -92,10 +98,10 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.deterministic = deterministic != 0;
   p.num_sms = sm_count();
 
-  const BwdKernelEntry* e = find_kernel(dtype, p.d);
+  const BwdKernelEntry* e = find_kernel(dtype, p.d, p.d_v);
   if (e == nullptr) {
-    return invalid(kWho, "no backward kernel was compiled for head dim " + std::to_string(p.d) +
-                         " with this dtype");
+    return invalid(kWho, "no backward kernel was compiled for head dims " + std::to_string(p.d) + "/" +
+                         std::to_string(p.d_v) + " with this dtype");
   }
   return launch_status(kWho, e->launch(p, stream));
 }
@@ -136,22 +142,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 JAX_FA3_EXPORT void* jax_fa3_bwd_handler() { return reinterpret_cast<void*>(JaxFa3Bwd); }
 JAX_FA3_EXPORT int jax_fa3_num_bwd_kernels() { return jax_fa3::kNumBwdKernels; }
-JAX_FA3_EXPORT void jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim) {
+// Entry i's (dtype, head dim); returns V's head dim.
+JAX_FA3_EXPORT int jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim) {
   *dtype = int(jax_fa3::kBwdKernels[i].dtype);
   *head_dim = jax_fa3::kBwdKernels[i].head_dim;
+  return jax_fa3::kBwdKernels[i].head_dim_v;
 }
 // Direct launch without XLA (cc/tools/bwd_check.cc: compute-sanitizer runs).
-// p: a non-empty problem (the handler's zero-size shortcuts are not repeated)
+// p: a non-empty problem (d_v = 0: V's head dim is d) (the handler's zero-size shortcuts are not repeated)
 // with every pointer set, scratch included (sizes as in BwdParams; the
 // launcher initializes all of it). Returns 0, a cudaError_t, or -1 when
 // (dtype, head dim) is not compiled.
 JAX_FA3_EXPORT int jax_fa3_bwd_launch(const jax_fa3::BwdParams* p, int dtype, cudaStream_t stream) {
-  const jax_fa3::BwdKernelEntry* e = jax_fa3::find_kernel(jax_fa3::DType(dtype), p->d);
+  const jax_fa3::BwdKernelEntry* e = jax_fa3::find_kernel(jax_fa3::DType(dtype), p->d, p->d_v > 0 ? p->d_v : p->d);
   if (e == nullptr) { return -1; }
   // The scratch is indexed with t_pad: a caller's mismatch would be an
   // out-of-bounds access the sanitizer blames on the kernel.
   if (p->t_pad != jax_fa3::padded_rows(p->t)) { return int(cudaErrorInvalidValue); }
   jax_fa3::BwdParams params = *p;
+  if (params.d_v == 0) { params.d_v = params.d; }
   if (params.num_sms == 0) { params.num_sms = jax_fa3::sm_count(); }
   return int(e->launch(params, stream));
 }

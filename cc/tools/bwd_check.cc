@@ -3,9 +3,11 @@
 // dK, dV against a float64 host reference. It exists for compute-sanitizer
 // (memcheck/racecheck/synccheck take seconds here, not an XLA compile per
 // shape) and as a smoke test that needs only the CUDA driver.
-//   jax_fa3_bwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--case NAME] [--watchdog SEC]
+//   jax_fa3_bwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--dv Hv] [--case NAME] [--watchdog SEC]
 // prints "PASS|FAIL <case> max_err=... tol=..." per case; exit status 0 iff all pass.
-//   jax_fa3_bwd_check --time B,T,N,D,CAUSAL [--iters 20] [--deterministic 1] [--softcap 30]
+// --dv: V's (and O's, dO's, dV's) head dim for every --hdims entry, e.g. 128
+// with --hdims 192 for the latent-attention tiles; default: the same as d.
+//   jax_fa3_bwd_check --time B,T,N,D,CAUSAL [--dv Hv] [--iters 20] [--deterministic 1] [--softcap 30]
 // times the backward launches alone (one forward call supplies out and lse)
 // with CUDA events (no check): a target for `ncu -k regex:bwd_kernel`.
 #include <algorithm>
@@ -50,23 +52,28 @@ struct Case {
 };
 
 // Device memory of one problem: inputs, forward outputs, gradients, scratch.
+// d: Q's and K's head dim; d_v: V's, O's, dO's and dV's (as in BwdParams).
 struct Buffers {
-  int b, t, s, n, kh, d, t_pad;
+  int b, t, s, n, kh, d, d_v, t_pad;
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *dout = nullptr;
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;
   float *lse = nullptr, *dq_accum = nullptr, *delta = nullptr, *lse_log2 = nullptr, *split = nullptr;
   int32_t *sem = nullptr, *ql = nullptr, *kl = nullptr;
   size_t nq() const { return size_t(b) * t * n * d; }
   size_t nk() const { return size_t(b) * s * kh * d; }
+  size_t nv() const { return size_t(b) * s * kh * d_v; }
+  size_t no() const { return size_t(b) * t * n * d_v; }
   size_t rows() const { return size_t(b) * n * t_pad; }
   size_t sems() const { return rows() / jax_fa3::kBwdBlockM; }
   size_t splits() const { return size_t(jax_fa3::bwd_split_scratch_floats(b, s, kh, d)); }
 };
 
-Buffers alloc(int b, int t, int s, int n, int kh, int d) {
-  Buffers m{b, t, s, n, kh, d, (t + jax_fa3::kBwdRowPad - 1) / jax_fa3::kBwdRowPad * jax_fa3::kBwdRowPad};
-  for (void** p : {&m.q, &m.o, &m.dout, &m.dq}) CHECK_CUDA(cudaMalloc(p, m.nq() * 2));
-  for (void** p : {&m.k, &m.v, &m.dk, &m.dv}) CHECK_CUDA(cudaMalloc(p, m.nk() * 2));
+Buffers alloc(int b, int t, int s, int n, int kh, int d, int dv) {
+  Buffers m{b, t, s, n, kh, d, dv, (t + jax_fa3::kBwdRowPad - 1) / jax_fa3::kBwdRowPad * jax_fa3::kBwdRowPad};
+  for (void** p : {&m.q, &m.dq}) CHECK_CUDA(cudaMalloc(p, m.nq() * 2));
+  for (void** p : {&m.k, &m.dk}) CHECK_CUDA(cudaMalloc(p, m.nk() * 2));
+  for (void** p : {&m.v, &m.dv}) CHECK_CUDA(cudaMalloc(p, m.nv() * 2));
+  for (void** p : {&m.o, &m.dout}) CHECK_CUDA(cudaMalloc(p, m.no() * 2));
   CHECK_CUDA(cudaMalloc((void**)&m.lse, size_t(b) * n * t * 4));
   CHECK_CUDA(cudaMalloc((void**)&m.dq_accum, m.rows() * d * 4));
   CHECK_CUDA(cudaMalloc((void**)&m.delta, m.rows() * 4));
@@ -91,7 +98,7 @@ void release(Buffers& m) {
 void poison_outputs(const Buffers& m) {
   CHECK_CUDA(cudaMemset(m.dq, 0xFF, m.nq() * 2));
   CHECK_CUDA(cudaMemset(m.dk, 0xFF, m.nk() * 2));
-  CHECK_CUDA(cudaMemset(m.dv, 0xFF, m.nk() * 2));
+  CHECK_CUDA(cudaMemset(m.dv, 0xFF, m.nv() * 2));
   CHECK_CUDA(cudaMemset(m.dq_accum, 0xFF, m.rows() * m.d * 4));
   CHECK_CUDA(cudaMemset(m.delta, 0xFF, m.rows() * 4));
   CHECK_CUDA(cudaMemset(m.lse_log2, 0xFF, m.rows() * 4));
@@ -104,7 +111,7 @@ jax_fa3::FwdParams fwd_params(const Buffers& m, float softcap, int left, int rig
   jax_fa3::FwdParams p;
   seg.attach(p.pair);
   p.q = m.q; p.k = m.k; p.v = m.v; p.o = m.o; p.lse = m.lse; p.q_lens = m.ql; p.kv_lens = m.kl;
-  p.b = m.b; p.t = m.t; p.s = m.s; p.n = m.n; p.kh = m.kh; p.d = m.d;
+  p.b = m.b; p.t = m.t; p.s = m.s; p.n = m.n; p.kh = m.kh; p.d = m.d; p.dv = m.d_v;
   p.scale = 1.f / std::sqrt(float(m.d)); p.softcap = softcap;
   p.window_left = left; p.window_right = right;
   return p;
@@ -119,7 +126,7 @@ jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int rig
   p.dq = m.dq; p.dk = m.dk; p.dv = m.dv;
   p.dq_accum = m.dq_accum; p.delta = m.delta; p.lse_log2 = m.lse_log2; p.semaphore = m.sem;
   p.dkv_split = m.split; p.dkv_split_floats = int64_t(m.splits());
-  p.b = m.b; p.t = m.t; p.s = m.s; p.n = m.n; p.kh = m.kh; p.d = m.d; p.t_pad = m.t_pad;
+  p.b = m.b; p.t = m.t; p.s = m.s; p.n = m.n; p.kh = m.kh; p.d = m.d; p.d_v = m.d_v; p.t_pad = m.t_pad;
   p.scale = 1.f / std::sqrt(float(m.d)); p.softcap = softcap;
   p.window_left = left; p.window_right = right;
   p.deterministic = deterministic;
@@ -129,21 +136,23 @@ jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int rig
 struct Grads { std::vector<double> dq, dk, dv; };
 
 // float64 gradients of sum(dO * attention(q, k, v)) from the same (rounded)
-// inputs the kernel sees. Per query row i and visible key j:
+// inputs the kernel sees; q, k, dQ, dK have head dim d, v, dO, dV have dv.
+// Per query row i and visible key j:
 //   x = scale q.k, s = cap tanh(x / cap) (or x), P = softmax_j(s),
 //   O = P V, dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO * O)),
 //   dX = dS (1 - tanh^2(x / cap)) (or dS), dQ = scale dX K, dK += scale dX^T Q.
 // K/V heads sum over their query-head group (GQA). A row that sees no key
 // contributes nothing and keeps dQ = 0 (the kernel's lse = +inf convention).
-Grads reference(const Case& c, int d, int right, const std::vector<double>& q, const std::vector<double>& k,
+Grads reference(const Case& c, int d, int dv, int right, const std::vector<double>& q, const std::vector<double>& k,
                 const std::vector<double>& v, const std::vector<double>& dout,
                 const std::vector<int32_t>& qlen, const std::vector<int32_t>& kvlen,
                 const check_util::Segments& seg) {
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
-  Grads g{std::vector<double>(nq), std::vector<double>(nk), std::vector<double>(nk)};
+  const size_t nv = size_t(c.b) * c.s * c.kh * dv;
+  Grads g{std::vector<double>(nq), std::vector<double>(nk), std::vector<double>(nv)};
   const double scale = 1.0 / std::sqrt(double(d)), cap = c.softcap;
   const int group = c.n / c.kh;
-  std::vector<double> x(c.s), p(c.s), o(d);
+  std::vector<double> x(c.s), p(c.s), o(dv);
   for (int b = 0; b < c.b; ++b)
     for (int h = 0; h < c.n; ++h)
       for (int i = 0; i < std::min(c.t, int(qlen[b])); ++i) {
@@ -151,12 +160,13 @@ Grads reference(const Case& c, int d, int right, const std::vector<double>& q, c
         const int lo = c.left >= 0 ? std::max(0, i - c.left) : 0;
         const int hi = std::min(std::min(c.s, int(kvlen[b])), right >= 0 ? i + right + 1 : c.s);
         if (hi <= lo) continue;
-        const size_t qo = ((size_t(b) * c.t + i) * c.n + h) * d;
-        auto kv_off = [&](int j) { return ((size_t(b) * c.s + j) * c.kh + h / group) * d; };
+        const size_t qo = ((size_t(b) * c.t + i) * c.n + h) * d;  // q, dQ
+        const size_t oo = ((size_t(b) * c.t + i) * c.n + h) * dv;  // O, dO
+        auto kv_off = [&](int j, int w) { return ((size_t(b) * c.s + j) * c.kh + h / group) * w; };
         double mx = -INFINITY;
         for (int j = lo; j < hi; ++j) {
           double acc = 0;
-          for (int e = 0; e < d; ++e) acc += q[qo + e] * k[kv_off(j) + e];
+          for (int e = 0; e < d; ++e) acc += q[qo + e] * k[kv_off(j, d) + e];
           x[j] = acc * scale;
           p[j] = cap > 0 ? cap * std::tanh(x[j] / cap) : x[j];  // the score s
           if (!seg.same(b, i, j)) p[j] = -INFINITY;  // another segment: P = 0
@@ -168,21 +178,21 @@ Grads reference(const Case& c, int d, int right, const std::vector<double>& q, c
         std::fill(o.begin(), o.end(), 0.0);
         for (int j = lo; j < hi; ++j) {
           p[j] /= sum;
-          for (int e = 0; e < d; ++e) o[e] += p[j] * v[kv_off(j) + e];
+          for (int e = 0; e < dv; ++e) o[e] += p[j] * v[kv_off(j, dv) + e];
         }
         double delta = 0;
-        for (int e = 0; e < d; ++e) delta += dout[qo + e] * o[e];
+        for (int e = 0; e < dv; ++e) delta += dout[oo + e] * o[e];
         for (int j = lo; j < hi; ++j) {
-          const size_t ko = kv_off(j);
+          const size_t ko = kv_off(j, d), vo = kv_off(j, dv);
           double dp = 0;
-          for (int e = 0; e < d; ++e) dp += dout[qo + e] * v[ko + e];
+          for (int e = 0; e < dv; ++e) dp += dout[oo + e] * v[vo + e];
           double dx = p[j] * (dp - delta);
           if (cap > 0) { const double th = std::tanh(x[j] / cap); dx *= 1 - th * th; }
           for (int e = 0; e < d; ++e) {
             g.dq[qo + e] += scale * dx * k[ko + e];
             g.dk[ko + e] += scale * dx * q[qo + e];
-            g.dv[ko + e] += p[j] * dout[qo + e];
           }
+          for (int e = 0; e < dv; ++e) g.dv[vo + e] += p[j] * dout[oo + e];
         }
       }
   return g;
@@ -204,12 +214,17 @@ Err compare(const std::vector<uint16_t>& got, const std::vector<double>& ref, bo
 
 enum class Outcome { kPass, kFail, kNotCompiled };
 
-Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
+// "d128", or "d192 dv128" when V's head dim differs.
+std::string dims_name(int d, int dv) {
+  return "d" + std::to_string(d) + (dv != d ? " dv" + std::to_string(dv) : "");
+}
+
+Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
   const int dt = bf16 ? 0 : 1;
   const int right = c.causal ? 0 : c.right;
-  Buffers m = alloc(c.b, c.t, c.s, c.n, c.kh, d);
+  Buffers m = alloc(c.b, c.t, c.s, c.n, c.kh, d, dv);
   NormalRng rng(seed);
-  std::vector<uint16_t> hq(m.nq()), hk(m.nk()), hv(m.nk()), hdo(m.nq());
+  std::vector<uint16_t> hq(m.nq()), hk(m.nk()), hv(m.nv()), hdo(m.no());
   fill_normal(hq, rng, bf16);
   fill_normal(hk, rng, bf16);
   fill_normal(hv, rng, bf16);
@@ -218,16 +233,18 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
   case_lengths(c.b, c.t, c.s, c.lens, qlen, kvlen);
   CHECK_CUDA(cudaMemcpy(m.q, hq.data(), m.nq() * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.k, hk.data(), m.nk() * 2, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(m.v, hv.data(), m.nk() * 2, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(m.dout, hdo.data(), m.nq() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(m.v, hv.data(), m.nv() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(m.dout, hdo.data(), m.no() * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.ql, qlen.data(), c.b * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.kl, kvlen.data(), c.b * 4, cudaMemcpyHostToDevice));
 
+  const std::string dims = dims_name(d, dv);
   char what[200];
-  std::snprintf(what, sizeof what, "%s d%d %s", bf16 ? "bf16" : "fp16", d, c.name);
+  std::snprintf(what, sizeof what, "%s %s %s", bf16 ? "bf16" : "fp16", dims.c_str(), c.name);
   const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
   const jax_fa3::FwdParams fp = fwd_params(m, c.softcap, c.left, right, seg);
-  int err = jax_fa3_fwd_launch(&fp, dt, "default", nullptr);
+  // A value head dim unlike d has its own forward tiles: the handler's pick.
+  int err = jax_fa3_fwd_launch(&fp, dt, dv != d ? "auto" : "default", nullptr);
   if (err == -1) { release(m); return Outcome::kNotCompiled; }
   CHECK_CUDA(cudaError_t(err));
   check_util::wait_or_die(kTag, (std::string("forward ") + what).c_str(), g_watchdog_s);
@@ -241,10 +258,10 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
     if (err == -1) { release(m); return Outcome::kNotCompiled; }
     CHECK_CUDA(cudaError_t(err));
     check_util::wait_or_die(kTag, (std::string("backward ") + what).c_str(), g_watchdog_s);
-    got[r][0].resize(m.nq()); got[r][1].resize(m.nk()); got[r][2].resize(m.nk());
+    got[r][0].resize(m.nq()); got[r][1].resize(m.nk()); got[r][2].resize(m.nv());
     CHECK_CUDA(cudaMemcpy(got[r][0].data(), m.dq, m.nq() * 2, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(got[r][1].data(), m.dk, m.nk() * 2, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(got[r][2].data(), m.dv, m.nk() * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(got[r][2].data(), m.dv, m.nv() * 2, cudaMemcpyDeviceToHost));
   }
   release(m);
   const bool repro = runs == 1 || (got[0][0] == got[1][0] && got[0][1] == got[1][1] && got[0][2] == got[1][2]);
@@ -254,7 +271,7 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
     for (size_t i = 0; i < h.size(); ++i) out[i] = from_half(h[i], bf16);
     return out;
   };
-  const Grads ref = reference(c, d, right, decode(hq), decode(hk), decode(hv), decode(hdo), qlen, kvlen, seg);
+  const Grads ref = reference(c, d, dv, right, decode(hq), decode(hk), decode(hv), decode(hdo), qlen, kvlen, seg);
   const std::vector<double>* refs[3] = {&ref.dq, &ref.dk, &ref.dv};
   // Tolerance per gradient: max|d - ref| <= rtol * max|ref| + atol. The kernel
   // rounds P and dS to the input dtype before the dV/dK/dQ GEMMs, reads O
@@ -274,19 +291,24 @@ Outcome run_case(const Case& c, int d, bool bf16, uint32_t seed) {
     nonfinite |= e.nonfinite;
     ok &= !e.nonfinite && e.max_err <= tols[x];
   }
-  std::printf("%s %s d%d %-20s max_err=%.2e/%.2e/%.2e tol=%.2e/%.2e/%.2e (dq/dk/dv)%s%s\n", ok ? "PASS" : "FAIL",
-              bf16 ? "bf16" : "fp16", d, c.name, errs[0], errs[1], errs[2], tols[0], tols[1], tols[2],
+  std::printf("%s %s %s %-20s max_err=%.2e/%.2e/%.2e tol=%.2e/%.2e/%.2e (dq/dk/dv)%s%s\n", ok ? "PASS" : "FAIL",
+              bf16 ? "bf16" : "fp16", dims.c_str(), c.name, errs[0], errs[1], errs[2], tols[0], tols[1], tols[2],
               nonfinite ? " nonfinite" : "", repro ? "" : " not-bit-reproducible");
   std::fflush(stdout);
   return ok ? Outcome::kPass : Outcome::kFail;
 }
 
 // Backward launches alone on one shape (s = t, kh = n); one forward call makes out and lse.
-int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, float softcap, int iters) {
+int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool deterministic, float softcap, int iters) {
   const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, right = ts.causal ? 0 : -1;
-  Buffers m = alloc(b, t, t, n, n, d);
+  Buffers m = alloc(b, t, t, n, n, d, dv);
   NormalRng rng(7);
-  check_util::fill_device_normal({m.q, m.k, m.v, m.dout}, m.nq(), rng, bf16);
+  if (dv == d) {
+    check_util::fill_device_normal({m.q, m.k, m.v, m.dout}, m.nq(), rng, bf16);
+  } else {
+    check_util::fill_device_normal({m.q, m.k}, m.nq(), rng, bf16);
+    check_util::fill_device_normal({m.v, m.dout}, m.no(), rng, bf16);
+  }
   std::vector<int32_t> lens(b, t);
   CHECK_CUDA(cudaMemcpy(m.ql, lens.data(), b * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(m.kl, lens.data(), b * 4, cudaMemcpyHostToDevice));
@@ -294,7 +316,7 @@ int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, fl
   const check_util::Segments no_seg(b, t, t, 0, false, 0);
   const jax_fa3::FwdParams fp = fwd_params(m, softcap, -1, right, no_seg);
   const jax_fa3::BwdParams bp = bwd_params(m, softcap, -1, right, deterministic, no_seg);
-  int err = jax_fa3_fwd_launch(&fp, dt, "default", nullptr);
+  int err = jax_fa3_fwd_launch(&fp, dt, dv != d ? "auto" : "default", nullptr);
   if (err == 0) {
     check_util::wait_or_die(kTag, "forward (timing)", g_watchdog_s);
     for (int w = 0; w < 3 && err == 0; ++w) {
@@ -316,10 +338,11 @@ int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, fl
   float ms = 0;
   CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
   ms /= iters;
-  // 5 GEMMs of the forward's 2 (S, dP, dV, dK, dQ vs S, O): 2.5x its FLOPs.
-  const double flops = 2.5 * 4.0 * b * n * double(t) * t * d / (ts.causal ? 2 : 1);
-  std::printf("bwd %s b%d t%d n%d d%d causal=%d det=%d softcap=%g: %.4f ms  %.1f TFLOP/s\n", bf16 ? "bf16" : "fp16",
-              b, t, n, d, ts.causal, int(deterministic), softcap, ms, flops / ms * 1e-9);
+  // 5 GEMMs: S, dK, dQ contract or span d, dP and dV span dv (2.5x the
+  // forward's S, O when dv == d).
+  const double flops = 2.0 * b * n * double(t) * t * (3.0 * d + 2.0 * dv) / (ts.causal ? 2 : 1);
+  std::printf("bwd %s b%d t%d n%d %s causal=%d det=%d softcap=%g: %.4f ms  %.1f TFLOP/s\n", bf16 ? "bf16" : "fp16",
+              b, t, n, dims_name(d, dv).c_str(), ts.causal, int(deterministic), softcap, ms, flops / ms * 1e-9);
   cudaEventDestroy(e0); cudaEventDestroy(e1);
   release(m);
   return 0;
@@ -329,7 +352,7 @@ int time_shape(const check_util::TimeSpec& ts, bool bf16, bool deterministic, fl
 
 int main(int argc, char** argv) {
   std::string dtype = "bf16", time_spec, only;
-  int iters = 20;
+  int iters = 20, dv_arg = 0;
   bool deterministic = false;
   float softcap = 0.f;
   std::vector<int> hdims = {64, 128, 256};
@@ -343,6 +366,7 @@ int main(int argc, char** argv) {
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
     else if (a == "--deterministic") deterministic = std::atoi(argv[i + 1]) != 0;
     else if (a == "--softcap") softcap = float(std::atof(argv[i + 1]));
+    else if (a == "--dv") dv_arg = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
   if (argc % 2 == 0) { std::fprintf(stderr, "flags come in pairs: --flag value\n"); return 2; }
@@ -354,7 +378,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--time wants B,T,N,D,CAUSAL\n");
       return 2;
     }
-    return time_shape(ts, bf16, deterministic, softcap, std::max(iters, 1));
+    return time_shape(ts, dv_arg > 0 ? dv_arg : ts.d, bf16, deterministic, softcap, std::max(iters, 1));
   }
   // Odd lengths, T != S, GQA, causal, windows (one with rows that see no key),
   // softcap, seq lengths, deterministic dQ, split key blocks; several key and
@@ -397,11 +421,12 @@ int main(int argc, char** argv) {
   };
   int passed = 0, failed = 0;
   for (int d : hdims) {
+    const int dv = dv_arg > 0 ? dv_arg : d;
     for (size_t ci = 0; ci < cases.size(); ++ci) {
       if (!only.empty() && only != cases[ci].name) continue;
-      const Outcome r = run_case(cases[ci], d, bf16, uint32_t(1000 * d + 100 * !bf16 + ci));
+      const Outcome r = run_case(cases[ci], d, dv, bf16, uint32_t(1000 * d + 100 * !bf16 + ci));
       if (r == Outcome::kNotCompiled) {
-        std::printf("%s d%d: not compiled, skipped\n", dtype.c_str(), d);
+        std::printf("%s %s: not compiled, skipped\n", dtype.c_str(), dims_name(d, dv).c_str());
         break;
       }
       (r == Outcome::kPass ? passed : failed) += 1;
