@@ -55,7 +55,7 @@ def _load_binding():
 _jax_fa3, _IMPORT_ERROR = _load_binding()
 
 __all__ = ["available", "compiled_configs", "compiled_value_configs",
-           "compiled_bwd_configs",
+           "compiled_bwd_configs", "compiled_bwd_value_configs",
            "compiled_fp8_configs", "sm90_gpu_present"]
 
 if _jax_fa3 is None:
@@ -70,7 +70,8 @@ if _jax_fa3 is None:
         f"jax_fa3: {_why}; the pure-JAX reference implementation will be "
         "used. Set JAX_FA3_QUIET=1 to silence this warning.",
         UserWarning, stacklevel=2)
-  _CONFIGS = _BWD_CONFIGS = _FP8_CONFIGS = _VALUE_CONFIGS = frozenset()
+  _CONFIGS = _BWD_CONFIGS = _FP8_CONFIGS = frozenset()
+  _VALUE_CONFIGS = _BWD_VALUE_CONFIGS = frozenset()
 else:
   for _name, _capsule in _jax_fa3.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
@@ -78,9 +79,11 @@ else:
       frozenset((str(d), int(h)) for d, h in configs()) for configs in (
           _jax_fa3.compiled_configs, _jax_fa3.compiled_bwd_configs,
           _jax_fa3.compiled_fp8_configs))
-  _VALUE_CONFIGS = frozenset(
-      (str(d), int(h), int(hv))
-      for d, h, hv in getattr(_jax_fa3, "compiled_value_configs", list)())
+  # A binding built before these lists existed has no such query.
+  _VALUE_CONFIGS, _BWD_VALUE_CONFIGS = (
+      frozenset((str(d), int(h), int(hv))
+                for d, h, hv in getattr(_jax_fa3, name, list)())
+      for name in ("compiled_value_configs", "compiled_bwd_value_configs"))
 
 
 def available() -> bool:
@@ -97,7 +100,8 @@ def compiled_configs() -> frozenset:
 def compiled_value_configs() -> frozenset:
   """``frozenset`` of ``(dtype_name, head_dim, value_head_dim)`` with a
   forward kernel for a V head dim unlike Q/K's, e.g. ``("bfloat16", 192,
-  128)``; they differentiate through the reference backward."""
+  128)``; those missing from :func:`compiled_bwd_value_configs`
+  differentiate through the reference backward."""
   return _VALUE_CONFIGS
 
 
@@ -106,6 +110,13 @@ def compiled_bwd_configs() -> frozenset:
   subset of :func:`compiled_configs`); the others differentiate through the
   reference backward."""
   return _BWD_CONFIGS
+
+
+def compiled_bwd_value_configs() -> frozenset:
+  """``frozenset`` of ``(dtype_name, head_dim, value_head_dim)`` with a
+  backward kernel for a V head dim unlike Q/K's, e.g. ``("bfloat16", 192,
+  128)``; empty when not built."""
+  return _BWD_VALUE_CONFIGS
 
 
 def compiled_fp8_configs() -> frozenset:

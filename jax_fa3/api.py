@@ -128,9 +128,9 @@ def attention(query, key, value, *, scale=None, is_causal=False,
   Args:
     query: ``[B, T, N, H]``; key: ``[B, S, K, H]`` with ``N % K == 0``
       (GQA / MQA); value: ``[B, S, K, Hv]``.  bfloat16/float16 for the
-      kernel; float32 uses the reference.  ``Hv != H``: the forward runs on
-      the kernels for (192, 128) (latent attention) and (128, 64), the
-      gradients on the reference backward; other pairs on the reference.
+      kernel; float32 uses the reference.  ``Hv != H``: forward and
+      backward run on the kernels for (192, 128) (latent attention) and
+      (128, 64); other pairs on the reference.
     scale: logit scale, default ``1/sqrt(H)``.
     is_causal: top-left aligned causal mask (query ``i`` sees keys ``<= i``).
     local_window_size: ``w`` (= ``(w, w)``) or ``(left, right)``: query ``i``

@@ -3,7 +3,8 @@ batching rule.
 
 * ``fa3_fwd_p``: FlashAttention forward -> FFI ``jax_fa3_fwd``.
 * ``fa3_bwd_p``: its backward -> FFI ``jax_fa3_bwd`` where a backward kernel
-  was compiled for (dtype, head dim), otherwise the reference backward.
+  was compiled for (dtype, head dim, V head dim), otherwise the reference
+  backward.
 * ``fp8_quantize_p``: the FP8 pre-pass (Hadamard rotation, block scales,
   e4m3 cast) -> FFI ``jax_fa3_fp8_quantize``.
 * ``fp8_fwd_p``: FP8 attention forward -> FFI ``jax_fa3_fp8_fwd``.
@@ -227,8 +228,9 @@ def bwd_split_scratch_floats(B, S, K, H) -> int:
 
 
 def _bwd_kernel_shapes(q, k, v, out, lse, dout, q_lens, kv_lens, *_segs, **_):
-  """dq, dk, dv, then the fp32/int32 scratch: dQ accumulator, delta, base-2
-  LSE, semaphores, split key blocks' sums."""
+  """dq, dk, dv (dv [B,S,K,Hv] from v, the rest q/k's head dim H), then the
+  fp32/int32 scratch: dQ accumulator, delta, base-2 LSE, semaphores, split
+  key blocks' sums."""
   B, T, N, H = q.shape
   t_pad = -(-T // BWD_ROW_PAD) * BWD_ROW_PAD
   return _bwd_shapes(q, k, v) + (
@@ -260,10 +262,14 @@ def _kvcache_attrs(q_pack, num_splits, **attrs):
               num_splits=np.int32(num_splits))
 
 
-def bwd_kernel_available(dtype, head_dim) -> bool:
-  """True iff ``jax_fa3_bwd`` was compiled for (dtype, head_dim)."""
-  return (np.dtype(dtype).name,
-          int(head_dim)) in _native.compiled_bwd_configs()
+def bwd_kernel_available(dtype, head_dim, value_head_dim=None) -> bool:
+  """True iff ``jax_fa3_bwd`` was compiled for (dtype, head_dim) with a V
+  head dim of ``value_head_dim`` (default: ``head_dim``)."""
+  name, h = np.dtype(dtype).name, int(head_dim)
+  hv = h if value_head_dim is None else int(value_head_dim)
+  if hv == h:
+    return (name, h) in _native.compiled_bwd_configs()
+  return (name, h, hv) in _native.compiled_bwd_value_configs()
 
 
 def _rule_kwargs(pairs, q, k):
@@ -289,10 +295,10 @@ _bwd_reference = mlir.lower_fun(_reference_bwd, multiple_results=True)
 
 
 def _bwd_cuda(ctx, *args, **params):
-  # A (dtype, head dim) without a compiled backward kernel differentiates
-  # through the reference (the README's table lists which).
+  # A (dtype, head dim, V head dim) without a compiled backward kernel
+  # differentiates through the reference (the README's table lists which).
   q, v = ctx.avals_in[0], ctx.avals_in[2]
-  if v.shape[-1] == q.shape[-1] and bwd_kernel_available(q.dtype, q.shape[-1]):
+  if bwd_kernel_available(q.dtype, q.shape[-1], v.shape[-1]):
     return _bwd_kernel(ctx, *args, **params)
   return _bwd_reference(ctx, *args, **params)
 

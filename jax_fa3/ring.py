@@ -138,8 +138,9 @@ def _fwd_case(kind, plan, fwd, q, k, v, q_lens, kv_lens, j, attrs):
   i, cq, ck = plan.idx, plan.cq, plan.ck
   full_q = plan.lens(q_lens, i, cq)
   full_k = plan.lens(kv_lens, j, ck)
-  if kind == "skip":
-    return jnp.zeros(q.shape, q.dtype), jnp.full((B, N, T), jnp.inf, _F32)
+  if kind == "skip":  # out has V's head dim
+    return (jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype),
+            jnp.full((B, N, T), jnp.inf, _F32))
   if kind in ("full", "diag"):
     wr = 0 if kind == "diag" else -1
     return fwd(q, k, v, full_q, full_k, **attrs, window_left=-1,
@@ -185,7 +186,8 @@ def ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
   B, T, N, H = q.shape
   refs = (q, k, v, q_lens, kv_lens, plan.idx)
   o, l = reference.varying_like(
-      (jnp.zeros(q.shape, _F32), jnp.full((B, N, T), -jnp.inf, _F32)), *refs)
+      (jnp.zeros(q.shape[:3] + v.shape[-1:], _F32),
+       jnp.full((B, N, T), -jnp.inf, _F32)), *refs)
   kc, vc = k, v
   for s in range(n_dev):
     if s + 1 < n_dev:  # issue the next transfer before this step's kernel

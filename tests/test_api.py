@@ -359,6 +359,8 @@ def fake_kernels(monkeypatch):
   monkeypatch.setattr(_native, "compiled_configs", lambda: configs)
   monkeypatch.setattr(_native, "compiled_bwd_configs", lambda: configs)
   monkeypatch.setattr(_native, "compiled_value_configs", lambda: frozenset())
+  monkeypatch.setattr(_native, "compiled_bwd_value_configs",
+                      lambda: frozenset())
 
 
 def test_routing_without_kernels_uses_reference(monkeypatch):
@@ -375,7 +377,7 @@ def test_routing_without_kernels_uses_reference(monkeypatch):
 
 def test_routing_value_head_dim(fake_kernels, monkeypatch):
   # A value head dim unlike q's runs the forward kernel where its tile was
-  # built, and differentiates through the reference backward.
+  # built, and the backward kernel where that was built too.
   q, k, _, _ = _rand(15, B=2, T=9, S=12, N=4, K=2, dtype=jnp.bfloat16)
   v = jax.random.normal(jax.random.key(1), k.shape[:3] + (4,)).astype(k.dtype)
   f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
@@ -391,6 +393,17 @@ def test_routing_value_head_dim(fake_kernels, monkeypatch):
   assert out.shape == q.shape[:3] + (4,)
   assert _cuda_kernels(f, q.astype(jnp.float16), k.astype(jnp.float16),
                        v.astype(jnp.float16)) == set()
+  # A backward kernel for another pair (or only dv == d ones) is not used.
+  monkeypatch.setattr(_native, "compiled_bwd_value_configs",
+                      lambda: frozenset({("bfloat16", 8, 2)}))
+  f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
+  assert _cuda_kernels(_grad(f), q, k, v) == {"jax_fa3_fwd"}
+  monkeypatch.setattr(_native, "compiled_bwd_value_configs",
+                      lambda: frozenset({("bfloat16", 8, 4)}))
+  f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
+  assert _cuda_kernels(_grad(f), q, k, v) == {"jax_fa3_fwd", "jax_fa3_bwd"}
+  det = lambda q, k, v: jax_fa3.attention(q, k, v, deterministic=True)
+  assert "jax_fa3_bwd" in _cuda_kernels(_grad(det), q, k, v)
 
 
 def test_routing_with_kernels_binds_the_kernels(fake_kernels):

@@ -16,9 +16,10 @@ _CHECKS = [jax.export.DisabledSafetyCheck.custom_call(t)
            for t in (P.FWD_TARGET, P.BWD_TARGET)]
 
 
-def _cuda_grad_module(dtype, hd, T=100, deterministic=False):
+def _cuda_grad_module(dtype, hd, T=100, deterministic=False, hdv=None):
   q = jnp.ones((2, T, 4, hd), dtype)
   kv = jnp.ones((2, 80, 2, hd), dtype)
+  v = jnp.ones((2, 80, 2, hd if hdv is None else hdv), dtype)
   lens = jnp.array([T, T - 3], jnp.int32)
   kl = jnp.array([80, 7], jnp.int32)
 
@@ -28,7 +29,7 @@ def _cuda_grad_module(dtype, hd, T=100, deterministic=False):
     return out.astype(jnp.float32).sum()
   g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   return jax.export.export(g, platforms=["cuda"], disabled_checks=_CHECKS)(
-      q, kv, kv).mlir_module()
+      q, kv, v).mlir_module()
 
 
 def _bwd_calls(text):
@@ -58,6 +59,40 @@ def test_cuda_lowering_falls_back_per_config(monkeypatch):
   assert not _bwd_calls(_cuda_grad_module(jnp.bfloat16, 256, T=40))
   monkeypatch.setattr(_native, "_BWD_CONFIGS", frozenset())
   assert not _bwd_calls(_cuda_grad_module(jnp.bfloat16, 128))
+
+
+def test_bwd_kernel_available_per_value_head_dim(monkeypatch):
+  monkeypatch.setattr(_native, "_BWD_CONFIGS", frozenset({("bfloat16", 192)}))
+  monkeypatch.setattr(_native, "_BWD_VALUE_CONFIGS",
+                      frozenset({("float16", 192, 128)}))
+  assert P.bwd_kernel_available(jnp.bfloat16, 192)
+  assert P.bwd_kernel_available(jnp.bfloat16, 192, 192)
+  assert not P.bwd_kernel_available(jnp.bfloat16, 192, 128)
+  assert P.bwd_kernel_available(np.float16, 192, 128)
+  assert not P.bwd_kernel_available(np.float16, 192)
+  assert not P.bwd_kernel_available(np.float16, 128, 64)
+
+
+def test_cuda_lowering_value_head_dim(monkeypatch):
+  # V head dim 128 under Q/K's 192: the kernel only where the pair's backward
+  # was built (a dv == d kernel for 192 does not serve it).
+  monkeypatch.setattr(_native, "_BWD_CONFIGS", frozenset({("bfloat16", 192)}))
+  monkeypatch.setattr(_native, "_BWD_VALUE_CONFIGS", frozenset())
+  assert not _bwd_calls(_cuda_grad_module(jnp.bfloat16, 192, hdv=128))
+  monkeypatch.setattr(_native, "_BWD_VALUE_CONFIGS",
+                      frozenset({("bfloat16", 192, 128)}))
+  calls = _bwd_calls(_cuda_grad_module(jnp.bfloat16, 192, hdv=128))
+  assert len(calls) == 1, calls
+  # v, out, dout and dv on Hv; dq, dk and the dQ accumulator on H; the
+  # split scratch as the handler sizes it (from H).
+  split = P.bwd_split_scratch_floats(2, 80, 2, 192)
+  assert ("(tensor<2x100x4x192xbf16>, tensor<2x80x2x192xbf16>, "
+          "tensor<2x80x2x128xbf16>, tensor<2x100x4x128xbf16>, "
+          "tensor<2x4x100xf32>, tensor<2x100x4x128xbf16>, ") in calls[0]
+  assert ("-> (tensor<2x100x4x192xbf16>, tensor<2x80x2x192xbf16>, "
+          "tensor<2x80x2x128xbf16>, tensor<2x4x128x192xf32>, "
+          "tensor<2x4x128xf32>, tensor<2x4x128xf32>, tensor<2x4x2xi32>, "
+          f"tensor<{split}xf32>)") in calls[0], calls[0]
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None, np.int32(1)])

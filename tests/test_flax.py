@@ -123,8 +123,8 @@ def test_dtype_cast_and_no_batch_dims():
 
 class _LatentAttention(nn.Module):
   """A DeepSeek-shaped attention block: queries and keys of head dim 192,
-  values of 128, causal, no GQA; attention in bfloat16 (on an H100/H200 the
-  forward runs the 192/128 kernel tiles)."""
+  values of 128, causal, no GQA; attention in bfloat16 (on an H100/H200 it
+  runs the 192/128 kernels)."""
   heads: int = 2
 
   @nn.compact

@@ -1,10 +1,11 @@
 """GPU truth tests of a value head dim unlike the query/key one on the
 kernels (``v [B, S, K, Hv]``, ``out [B, T, N, Hv]``: 192/128 latent
 attention, 128/64): the forward runs the "dv" tiles (the lowered HLO holds
-the forward FFI call), the gradients the reference backward on the kernel's
-output and LSE. Judged by the rule of tests/test_gpu_forward.py against a
-float32 softmax (error at most 2x, gradients 3x, the same-dtype XLA
-computation's error plus a small atol)."""
+the forward FFI call), the gradients the backward kernel where one was
+built for the pair (``_native.compiled_bwd_value_configs``), otherwise the
+reference backward on the kernel's output and LSE. Judged by the rule of
+tests/test_gpu_forward.py against a float32 softmax (error at most 2x,
+gradients 3x, the same-dtype XLA computation's error plus a small atol)."""
 from __future__ import annotations
 
 import numpy as np
@@ -54,8 +55,14 @@ def _check(cfg, *, B=2, T=517, S=517, N=4, K=2, seed=0, sinks=False,
   fn = jax.jit(kernel)
   hlo = fn.lower(q, k, v).as_text()
   assert primitives.FWD_TARGET in hlo
+  assert (primitives.BWD_TARGET in hlo) == (
+      cfg in _native.compiled_bwd_value_configs())
   got = fn(q, k, v)
   assert got[0].shape == (B, T, N, hdv) and got[3].shape == v.shape
+  if kw.get("deterministic"):  # bit-identical gradients on a second call
+    again = fn(q, k, v)
+    for a, b in zip(got[1:], again[1:]):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
   want = jax.jit(lambda *a: ref(*a, False))(*f32)
   same = jax.jit(lambda *a: ref(*a, True))(q, k, v)
@@ -71,8 +78,9 @@ def test_value_head_dim(cfg, causal):
 
 @pytest.mark.parametrize("cfg", PRIMARY, ids=_cid)
 def test_value_head_dim_compose(cfg):
+  # T != S, GQA 3, a partial tile; deterministic: the same gradients twice
   _check(cfg, T=300, S=701, N=6, K=2, seed=1, is_causal=True,
-         ref_kw=dict(causal=True))  # T != S, GQA 3, a partial tile
+         deterministic=True, ref_kw=dict(causal=True))
   ql = jnp.array([300, 129], jnp.int32)
   kl = jnp.array([200, 0], jnp.int32)  # row 1 sees no key: 0, no NaN
   got = _check(cfg, T=300, S=333, seed=2, query_seq_lengths=ql,

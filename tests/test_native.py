@@ -47,11 +47,14 @@ def test_queries_match_this_machine():
     assert _native.compiled_bwd_configs() <= _native.compiled_configs()
     for dtype, h, hv in _native.compiled_value_configs():
       assert (dtype, h) in _native.compiled_configs() and hv != h
+    assert (_native.compiled_bwd_value_configs()
+            <= _native.compiled_value_configs())
   else:
     assert _native.compiled_configs() == frozenset()
     assert _native.compiled_bwd_configs() == frozenset()
     assert _native.compiled_fp8_configs() == frozenset()
     assert _native.compiled_value_configs() == frozenset()
+    assert _native.compiled_bwd_value_configs() == frozenset()
   try:
     gpus = jax.devices("gpu")
   except RuntimeError:
@@ -113,6 +116,9 @@ def test_present_extension_registers_ffi_targets():
           {("bfloat16", 128), ("float16", 128)})
       assert _native.compiled_bwd_configs() == frozenset({("bfloat16", 128)})
       assert _native.compiled_fp8_configs() == frozenset({("bfloat16", 128)})
+      # a binding without the value-head-dim queries still loads
+      assert _native.compiled_value_configs() == frozenset()
+      assert _native.compiled_bwd_value_configs() == frozenset()
       got = sorted((a[0], a[1] is caps[a[0]], k.get("platform")) for a, k in calls)
       assert got == [("jax_fa3_bwd", True, "CUDA"), ("jax_fa3_fwd", True, "CUDA")], got
       assert all(len(a) == 2 and set(k) == {"platform"} for a, k in calls)

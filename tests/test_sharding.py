@@ -131,11 +131,13 @@ def test_partitioned_sinks_equal_unsharded(case):
   _run_layout(*case[1:], sinks=True)
 
 
-_VALUE_LAYOUTS = [c for c in LAYOUTS if c[0] in ("batch", "heads_gqa", "heads_mqa")]
+_VALUE_LAYOUTS = [c for c in LAYOUTS if c[0] in (
+    "batch", "heads_gqa", "heads_mqa", "seq_ring_causal", "seq_ring_t_ne_s")]
 
 
 @pytest.mark.parametrize("case", _VALUE_LAYOUTS, ids=[c[0] for c in _VALUE_LAYOUTS])
 def test_partitioned_value_head_dim_equals_unsharded(case):
+  # Outputs and gradients (dv on Hv), on the sequence ring too.
   _run_layout(*case[1:], hv=H // 2)
 
 
