@@ -6,8 +6,16 @@ Sweep (FlashAttention-3 paper, Sec. 4.1): 16k tokens in total
 seqlen 512 .. 16k, head dim 64 / 128 / 256, causal off / on, forward and
 backward, BTNH layout, bf16 by default.
 
-FLOPs: ``4 * batch * heads * seqlen**2 * head_dim`` for the forward, halved
-when causal; the backward counts 2.5x the forward.
+FLOPs: ``2 * batch * heads * seqlen**2 * (head_dim + value_dim)`` for the
+forward (``4 * b * h * s**2 * d`` when the value head dim equals the query/key
+one), halved when causal; the backward counts
+``2 * b * h * s**2 * (3 * head_dim + 2 * value_dim)`` (2.5x the forward at
+equal dims).
+
+``--shapes mla``: multi-head latent attention, a value head dim below the
+query/key one (DeepSeek's 192/128, and 128/64).  jax.nn.dot_product_attention
+requires equal dims, so cuDNN runs these through JAX's lower-level cuDNN
+wrapper (cuDNN >= 9.10 on Hopper).
 
 Timing: every implementation is a ``jax.jit``-ed function, all of them in the
 same process on the same inputs.  After a warm-up (compile + a few calls) the
@@ -43,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 TOTAL_TOKENS = 16384
 HIDDEN = 2048
@@ -62,7 +70,7 @@ MODES = ("fwd", "bwd")
 
 CSV_FIELDS = ("impl", "mode", "dtype", "hdim", "causal", "seqlen", "batch",
               "heads", "kv_heads", "ms", "tflops", "ratio_vs_cudnn", "iters", "status",
-              "sm_mhz", "power_w", "clock_reasons", "window_left", "spread")
+              "sm_mhz", "power_w", "clock_reasons", "window_left", "spread", "hdim_v")
 
 
 # ---------------------------------------------------------------------------
@@ -79,12 +87,28 @@ class Shape:
   heads: int
   group: int = 1  # query heads per K/V head (GQA); 1 = MHA
   window_left: int = -1  # causal sliding window: query i sees keys [i - left, i]; -1 = none
+  hdim_v: int = 0  # value head dim (latent attention); 0 = hdim
+
+  def __post_init__(self):
+    # One spelling per shape, so equal configs compare (and group) equal.
+    if self.hdim_v == self.hdim:
+      object.__setattr__(self, "hdim_v", 0)
+
+  @property
+  def dv(self) -> int:
+    """The effective value head dim."""
+    return self.hdim_v or self.hdim
 
 
 # Shapes of real models beside the sweep (--shapes real): GQA 32/8 (Llama-3 8B-like)
 # 8k causal, GQA 64/8 (70B-like) 2k causal, a (4096, 0) sliding window at 16k.
 REAL_SHAPES = (Shape(128, True, 8192, 2, 32, 4), Shape(128, True, 2048, 4, 64, 8),
                Shape(128, True, 16384, 1, 16, 1, 4096))
+# Multi-head latent attention (--shapes mla): value head dim below the query/key
+# one, DeepSeek's 192/128 without and with the causal mask, and 128/64 causal;
+# 8k tokens x batch 2, 16 heads.
+MLA_SHAPES = (Shape(192, False, 8192, 2, 16, hdim_v=128), Shape(192, True, 8192, 2, 16, hdim_v=128),
+              Shape(128, True, 8192, 2, 16, hdim_v=64))
 
 
 @dataclass
@@ -105,20 +129,25 @@ class Row:
 
 
 def attn_flops(batch: int, heads: int, seqlen: int, hdim: int, causal: bool,
-               mode: str = "fwd", window_left: int = -1) -> float:
-  """FLOPs of one call: 4*b*h*s^2*d, /2 if causal, x2.5 for the backward;
-  a causal sliding window counts its visible (query, key) pairs."""
-  f = 4.0 * batch * heads * seqlen * seqlen * hdim
+               mode: str = "fwd", window_left: int = -1, hdim_v: int = 0) -> float:
+  """FLOPs of one call over the visible (query, key) pairs P (s^2, /2 if
+  causal; a causal sliding window counts its pairs): forward 2*b*h*P*(d + dv)
+  (S = QK^T over d, O = PV over dv), backward 2*b*h*P*(3*d + 2*dv) (S again,
+  dQ and dK over d; dP and dV over dv).  At dv == d: 4*b*h*P*d, x2.5."""
+  dv = hdim_v or hdim
+  pairs = float(seqlen) * seqlen
   if causal and 0 <= window_left < seqlen - 1:
     w = window_left + 1  # keys per row once the window is full
-    f = 4.0 * batch * heads * hdim * (w * (w + 1) / 2 + (seqlen - w) * w)
+    pairs = w * (w + 1) / 2 + (seqlen - w) * w
   elif causal:
-    f /= 2
-  if mode == "bwd":
-    f *= 2.5
-  elif mode != "fwd":
+    pairs /= 2
+  if mode == "fwd":
+    per_pair = hdim + dv
+  elif mode == "bwd":
+    per_pair = 3 * hdim + 2 * dv
+  else:
     raise ValueError(f"mode must be fwd or bwd, got {mode!r}")
-  return f
+  return 2.0 * batch * heads * pairs * per_pair
 
 
 def tflops_of(flops: float, ms: float | None) -> float | None:
@@ -128,9 +157,9 @@ def tflops_of(flops: float, ms: float | None) -> float | None:
 
 
 def plan(seqlens, hdims, causals, tokens: int = TOTAL_TOKENS,
-         hidden: int = HIDDEN, group: int = 1) -> list[Shape]:
+         hidden: int = HIDDEN, group: int = 1, hdim_v: int = 0) -> list[Shape]:
   """The sweep: batch = tokens // seqlen (>= 1), heads = hidden // hdim
-  query heads, heads // group K/V heads."""
+  query heads, heads // group K/V heads; value head dim hdim_v (0: hdim)."""
   out = []
   for hd in hdims:
     if hidden % hd:
@@ -140,7 +169,7 @@ def plan(seqlens, hdims, causals, tokens: int = TOTAL_TOKENS,
     for causal in causals:
       for s in seqlens:
         b = max(1, tokens // s)
-        out.append(Shape(hd, causal, s, b, hidden // hd, group))
+        out.append(Shape(hd, causal, s, b, hidden // hd, group, hdim_v=hdim_v))
   return out
 
 
@@ -167,7 +196,7 @@ def _cells(r: Row, max_status: int = 0) -> list[str]:
   else:
     tail = [f"{r.ms:.3f}", f"{r.tflops:.1f}",
             f"{r.ratio:.2f}" if r.ratio is not None else "-"]
-  return [r.impl, r.mode, str(s.hdim), _mask_name(s),
+  return [r.impl, r.mode, _hdim_name(s), _mask_name(s),
           str(s.seqlen), str(s.batch), _heads(s)] + tail + [
               "-" if r.spread is None else f"{100 * r.spread:.1f}"]
 
@@ -178,8 +207,14 @@ def _mask_name(s: Shape) -> str:
   return "yes" if s.causal else "no"
 
 
+def _hdim_name(s: Shape) -> str:
+  """'128', or 'query-key dim/value dim' ('192/128') for latent attention."""
+  return str(s.hdim) if s.dv == s.hdim else f"{s.hdim}/{s.dv}"
+
+
 def shape_flops(s: Shape, mode: str) -> float:
-  return attn_flops(s.batch, s.heads, s.seqlen, s.hdim, s.causal, mode, s.window_left)
+  return attn_flops(s.batch, s.heads, s.seqlen, s.hdim, s.causal, mode, s.window_left,
+                    s.hdim_v)
 
 
 def _heads(s: Shape) -> str:
@@ -188,7 +223,7 @@ def _heads(s: Shape) -> str:
 
 def _sort_key(r: Row):
   s = r.shape
-  return (MODES.index(r.mode) if r.mode in MODES else 9, s.hdim, s.causal, s.window_left,
+  return (MODES.index(r.mode) if r.mode in MODES else 9, s.hdim, s.dv, s.causal, s.window_left,
           s.seqlen, s.group, IMPLS.index(r.impl) if r.impl in IMPLS else 9)
 
 
@@ -227,7 +262,7 @@ def write_csv(rows: list[Row], path: str) -> None:
                   "" if r.sm_mhz is None else f"{r.sm_mhz:.0f}",
                   "" if r.power_w is None else f"{r.power_w:.0f}",
                   r.clock_reasons, s.window_left,
-                  "" if r.spread is None else f"{r.spread:.4f}"])
+                  "" if r.spread is None else f"{r.spread:.4f}", s.dv])
   os.replace(tmp, path)
 
 
@@ -241,7 +276,7 @@ def read_csv(path: str) -> list[Row]:
       heads, kv_heads = int(d["heads"]), int(d["kv_heads"])
       shape = Shape(int(d["hdim"]), d["causal"] == "1", int(d["seqlen"]),
                     int(d["batch"]), heads, heads // kv_heads,
-                    int(d.get("window_left") or -1))
+                    int(d.get("window_left") or -1), int(d.get("hdim_v") or 0))
       rows.append(Row(d["impl"], d["mode"], d["dtype"], shape, num(d["ms"]),
                       num(d["tflops"]), num(d["ratio_vs_cudnn"]),
                       int(d["iters"] or 0), d["status"], num(d.get("sm_mhz", "")),
@@ -278,13 +313,16 @@ def plot(rows: list[Row], path: str, title: str = "") -> bool:
   plt = pyplot()
   if plt is None:
     return False
-  # The sweep's curves; the real-model shapes are table rows only.
-  ok = [r for r in rows if r.status == "ok" and r.tflops and r.shape not in REAL_SHAPES]
+  # The sweep's curves; the real-model and latent-attention shapes are table rows only.
+  # (A real-model shape stays one with --value-hdim.)
+  fixed = set(REAL_SHAPES) | set(MLA_SHAPES)
+  ok = [r for r in rows if r.status == "ok" and r.tflops
+        and r.shape not in fixed and replace(r.shape, hdim_v=0) not in fixed]
   if not ok:
     print("[plot] no successful measurements; skipping plot")
     return False
   modes = [m for m in MODES if any(r.mode == m for r in ok)]
-  panels = sorted({(r.shape.causal, r.shape.hdim) for r in ok})
+  panels = sorted({(r.shape.causal, r.shape.hdim, r.shape.dv) for r in ok})
   impls = [i for i in IMPLS if any(r.impl == i for r in ok)]
   style = {"fa3": ("tab:red", "o"), "fa3det": ("tab:orange", "D"),
            "fa3sinks": ("tab:purple", "v"),
@@ -294,12 +332,13 @@ def plot(rows: list[Row], path: str, title: str = "") -> bool:
   fig, axes = plt.subplots(nr, nc, figsize=(3.6 * nc, 3.0 * nr),
                            squeeze=False, sharey="row")
   for i, m in enumerate(modes):
-    for j, (causal, hd) in enumerate(panels):
+    for j, (causal, hd, dv) in enumerate(panels):
       ax = axes[i][j]
       for impl in impls:
         pts = sorted((r.shape.seqlen, r.tflops) for r in ok
                      if r.mode == m and r.impl == impl
-                     and r.shape.causal == causal and r.shape.hdim == hd)
+                     and r.shape.causal == causal and r.shape.hdim == hd
+                     and r.shape.dv == dv)
         if not pts:
           continue
         c, mk = style.get(impl, (None, "x"))
@@ -310,7 +349,8 @@ def plot(rows: list[Row], path: str, title: str = "") -> bool:
       ax.set_xticks(xs)
       ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 else str(x)
                           for x in xs])
-      ax.set_title(f"{m}, d={hd}, {'causal' if causal else 'non-causal'}",
+      ax.set_title(f"{m}, d={hd if dv == hd else f'{hd}/{dv}'}, "
+                   f"{'causal' if causal else 'non-causal'}",
                    fontsize=9)
       ax.grid(True, alpha=0.3)
       if j == 0:
@@ -388,9 +428,11 @@ def _import_jax_fa3():
   return jax_fa3
 
 
-def _attn_fn(impl: str, causal: bool, window_left: int = -1):
-  """``window_left >= 0`` (with causal): query i sees keys [i - left, i]."""
+def _attn_fn(impl: str, shape: Shape):
+  """``impl``'s attention ``(q, k, v) -> out`` for ``shape``'s mask (with
+  ``window_left >= 0``, causal: query i sees keys [i - left, i]) and dims."""
   import jax
+  causal, window_left = shape.causal, shape.window_left
   win = {} if window_left < 0 else {"local_window_size": (window_left, 0)}
   if impl in ("fa3", "fa3det"):
     jax_fa3 = _import_jax_fa3()
@@ -408,6 +450,16 @@ def _attn_fn(impl: str, causal: bool, window_left: int = -1):
       return jax_fa3.attention(q, k, v, is_causal=causal, implementation="fa3",
                                sinks=sinks, **win)
     return with_sinks
+  if impl == "cudnn" and shape.dv != shape.hdim:
+    # jax.nn.dot_product_attention rejects Hv != H; its cuDNN wrapper runs it
+    # (cuDNN >= 9.10, sm90) and, like jax.nn's cudnn path, takes GQA as is.
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dpa
+    # The window as jax.nn hands it to cuDNN: keys (i - length, i].
+    return functools.partial(
+        cudnn_dpa, scale=1.0 / math.sqrt(shape.hdim), qkv_layout="BTNH",
+        mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK,
+        sliding_window_length=window_left + 1 if window_left >= 0 else None)
   if impl in ("cudnn", "xla"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                              implementation=impl, **win)
@@ -422,26 +474,55 @@ def _attn_fn(impl: str, causal: bool, window_left: int = -1):
   raise ValueError(f"unknown impl {impl!r}")
 
 
+def softmax_attention(q, k, v, causal: bool, window_left: int = -1):
+  """Plain attention ``[B,T,N,H] x [B,S,K,H] x [B,S,K,Hv] -> [B,T,N,Hv]`` as
+  jax.nn's xla path computes it (float32 scores and softmax, probabilities in
+  v's dtype), for any Hv: scale 1/sqrt(H); causal top-left (query i sees keys
+  <= i); a window keeps keys >= i - window_left; GQA repeats K/V heads."""
+  import jax
+  import jax.numpy as jnp
+  group = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (1.0 / math.sqrt(q.shape[-1]))
+  t, s = q.shape[1], k.shape[1]
+  qi, kj = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+  keep = jnp.ones((t, s), bool)
+  if causal:
+    keep &= kj <= qi
+  if window_left >= 0:
+    keep &= kj >= qi - window_left
+  scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
 _CHECKED: dict = {}
 
 
 def check_peer(impl: str, shape: Shape, dtype, with_grads: bool) -> tuple:
   """(forward error or None, gradient error or None) of ``impl`` on a
   reduced copy of ``shape`` (batch 1, two K/V heads' worth of query heads, at
-  most 1024 tokens) against jax.nn's xla path in float32: the FA3 rule, error
-  <= 2x (gradients 3x) the same-dtype xla error + 4e-3."""
+  most 1024 tokens) against jax.nn's xla path in float32 (``softmax_attention``
+  where the value head dim differs, which jax.nn rejects): the FA3 rule, error
+  <= 2x (gradients 3x) the same-dtype reference's error + 4e-3."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   # A window needs rows past its width to show.
   s = min(shape.seqlen, 1024 + max(shape.window_left, 0))
   heads = min(shape.heads, 2 * shape.group)
-  key = (impl, shape.hdim, shape.causal, shape.group, shape.window_left, s, str(dtype), with_grads)
+  key = (impl, shape.hdim, shape.dv, shape.causal, shape.group, shape.window_left, s,
+         str(dtype), with_grads)
   if key in _CHECKED:
     return _CHECKED[key]
-  small = Shape(shape.hdim, shape.causal, s, 1, heads, shape.group, shape.window_left)
+  small = replace(shape, seqlen=s, batch=1, heads=heads)
   q, k, v, do = make_inputs(small, dtype, 1, seed=99)[0]
-  ref_fn = _attn_fn("xla", shape.causal, shape.window_left)
+  if shape.dv == shape.hdim:
+    ref_fn = _attn_fn("xla", shape)
+  else:
+    ref_fn = functools.partial(softmax_attention, causal=shape.causal,
+                               window_left=shape.window_left)
 
   def run(fn, x_dtype):
     args = [x.astype(x_dtype) for x in (q, k, v)]
@@ -452,7 +533,7 @@ def check_peer(impl: str, shape: Shape, dtype, with_grads: bool) -> tuple:
 
   try:
     ref, same = run(ref_fn, jnp.float32), run(ref_fn, dtype)
-    got = run(_attn_fn(impl, shape.causal, shape.window_left), dtype)
+    got = run(_attn_fn(impl, shape), dtype)
   except Exception as e:  # noqa: BLE001
     first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
     _CHECKED[key] = (f"unavailable ({type(e).__name__}: {first})", None)
@@ -471,13 +552,14 @@ def check_peer(impl: str, shape: Shape, dtype, with_grads: bool) -> tuple:
 def make_inputs(shape: Shape, dtype, n_sets: int, seed: int = 0):
   import jax
   import jax.numpy as jnp
-  dims = (shape.batch, shape.seqlen, shape.heads, shape.hdim)
-  kv_dims = (shape.batch, shape.seqlen, shape.heads // shape.group, shape.hdim)
+  b, s, n, kv = shape.batch, shape.seqlen, shape.heads, shape.heads // shape.group
+  dims = ((b, s, n, shape.hdim), (b, s, kv, shape.hdim),  # q, k
+          (b, s, kv, shape.dv), (b, s, n, shape.dv))      # v, dout
   sets = []
   for i in range(n_sets):
     ks = jax.random.split(jax.random.key(seed * 1000 + i), 4)
     sets.append(tuple(jax.random.normal(k, d, jnp.float32).astype(dtype)
-                      for k, d in zip(ks, (dims, kv_dims, kv_dims, dims))))  # q, k, v, dout
+                      for k, d in zip(ks, dims)))
   jax.block_until_ready(sets)
   return sets
 
@@ -661,7 +743,7 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
         wrong_bwd[impl] = f"wrong gradients ({bwd_err})"
         print(f"  {impl}: backward not timed, {wrong_bwd[impl]}", flush=True)
     try:
-      attn = _attn_fn(impl, shape.causal, shape.window_left)
+      attn = _attn_fn(impl, shape)
       fns = {"fwd": jax.jit(lambda q, k, v, do, attn=attn: attn(q, k, v))}
       if "bwd" in modes and args.bwd_timing == "subtract" and impl not in wrong_bwd:
         @jax.jit
@@ -728,7 +810,7 @@ def measure_shape(shape: Shape, impls, modes, dtype_name: str, args) -> list:
         if row.status == "ok":
           row.ms = t * 1e3
           row.tflops = tflops_of(shape_flops(shape, m), row.ms)
-          print(f"  {impl:5s} {m} d={shape.hdim} causal={int(shape.causal)} "
+          print(f"  {impl:5s} {m} d={_hdim_name(shape)} causal={int(shape.causal)} "
                 f"s={shape.seqlen:5d} b={shape.batch:2d} h={shape.heads:2d}: "
                 f"{row.ms:8.3f} ms {row.tflops:7.1f} TFLOP/s"
                 + ("" if row.sm_mhz is None else
@@ -746,7 +828,7 @@ def _failure(e: BaseException, impl: str, shape: Shape) -> str:
   if reason is None:
     first = (str(e).strip().splitlines() or [""])[0]
     reason = f"error ({type(e).__name__}: {first[:160]})"
-  print(f"  skip {impl} d={shape.hdim} causal={int(shape.causal)} "
+  print(f"  skip {impl} d={_hdim_name(shape)} causal={int(shape.causal)} "
         f"s={shape.seqlen}: {reason}", flush=True)
   return reason
 
@@ -800,9 +882,14 @@ def parse_args(argv=None):
                  help="GQA: query heads per K/V head (the demo uses 4)")
   p.add_argument("--hidden", type=int, default=HIDDEN,
                  help="hidden size: heads = hidden // head_dim")
-  p.add_argument("--shapes", choices=("sweep", "real", "all"), default="sweep",
+  p.add_argument("--value-hdim", type=int, default=0,
+                 help="value head dim of the sweep and real-model shapes (latent "
+                      "attention); 0 = each shape's query/key head dim")
+  p.add_argument("--shapes", choices=("sweep", "real", "mla", "all"), default="sweep",
                  help="the seqlen x head-dim sweep, the real-model shapes (GQA 32/8 8k and "
-                      "64/8 2k causal, window (4096, 0) 16k; d128), or both")
+                      "64/8 2k causal, window (4096, 0) 16k; d128), or both ('all'); "
+                      "'mla': latent attention, head dims 192/128 (causal and not) and "
+                      "128/64 (causal), 8k, batch 2, 16 heads")
   p.add_argument("--quick", action="store_true",
                  help="d=128 only, seqlens 1k,4k,8k, causal both")
   p.add_argument("--out", default=os.path.join(
@@ -846,6 +933,8 @@ def parse_args(argv=None):
   a.dtype_name = {"bf16": "bfloat16", "fp16": "float16"}[a.dtype]
   if a.rotate < 1 or a.repeats < 1:
     p.error("--rotate and --repeats must be >= 1")
+  if a.value_hdim < 0:
+    p.error("--value-hdim must be >= 0")
   return a
 
 
@@ -860,9 +949,11 @@ def main(argv=None) -> int:
   shapes = []
   if args.shapes in ("sweep", "all"):
     shapes += plan(args.seqlens, args.hdims, args.causals, args.tokens,
-                   args.hidden, args.group)
+                   args.hidden, args.group, args.value_hdim)
   if args.shapes in ("real", "all"):
-    shapes += list(REAL_SHAPES)
+    shapes += [replace(s, hdim_v=args.value_hdim) for s in REAL_SHAPES]
+  if args.shapes == "mla":
+    shapes += list(MLA_SHAPES)
 
   if args.dry_run:
     env = environment(with_jax=False)
@@ -874,8 +965,8 @@ def main(argv=None) -> int:
           f"dtype={args.dtype_name}")
     for s in shapes:
       fl = ", ".join(f"{m} {shape_flops(s, m) / 1e12:.3f} TFLOP" for m in args.mode_list)
-      print(f"  d={s.hdim:3d} causal={_mask_name(s)} seqlen={s.seqlen:5d} "
-            f"batch={s.batch:2d} heads={s.heads:2d}: {fl}")
+      print(f"  d={_hdim_name(s):>3s} causal={_mask_name(s)} seqlen={s.seqlen:5d} "
+            f"batch={s.batch:2d} heads={_heads(s):>2s}: {fl}")
     print(format_table(rows, markdown=args.markdown))
     return 0
 
@@ -899,7 +990,7 @@ def main(argv=None) -> int:
     write_csv(rows, csv_path)
 
   rows = measure_all(
-      sorted(shapes, key=lambda x: (x.hdim, x.seqlen, x.causal, x.window_left, x.group)),
+      sorted(shapes, key=lambda x: (x.hdim, x.dv, x.seqlen, x.causal, x.window_left, x.group)),
       lambda s: measure_shape(s, args.impl_list, args.mode_list,
                               args.dtype_name, args), save)
   fill_ratios(rows)

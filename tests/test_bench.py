@@ -27,6 +27,50 @@ def test_flops_follow_the_paper():
   assert b.attn_flops(2, 16, 8192, 128, False, "bwd") == 2.5 * f
 
 
+def test_flops_with_a_value_head_dim():
+  b = _bench()
+  # dv == d (or 0) is the paper's count, masks and window included.
+  for causal, win in ((False, -1), (True, -1), (True, 1000)):
+    for mode in ("fwd", "bwd"):
+      assert b.attn_flops(2, 16, 8192, 128, causal, mode, win, 128) == b.attn_flops(
+          2, 16, 8192, 128, causal, mode, win)
+  # 192/128: forward QK^T over 192 and PV over 128; backward S again, dQ, dK
+  # over 192, dP, dV over 128.
+  s2 = 8192 ** 2
+  assert b.attn_flops(2, 16, 8192, 192, False, hdim_v=128) == 2 * 2 * 16 * s2 * (192 + 128)
+  assert b.attn_flops(2, 16, 8192, 192, False, "bwd", hdim_v=128) == (
+      2 * 2 * 16 * s2 * (3 * 192 + 2 * 128))
+  assert b.attn_flops(2, 16, 8192, 192, True, "bwd", hdim_v=128) == 2 * 2 * 16 * s2 * 832 / 2
+  mla = b.Shape(192, True, 8192, 2, 16, hdim_v=128)
+  assert b.shape_flops(mla, "fwd") == 2 * 2 * 16 * s2 * 320 / 2
+  # One spelling per shape: a value dim equal to hdim is no value dim.
+  assert b.Shape(128, True, 8192, 2, 16, hdim_v=128) == b.Shape(128, True, 8192, 2, 16)
+  assert (mla.dv, b.Shape(128, False, 1024, 1, 1).dv) == (128, 128)
+  assert (b._hdim_name(mla), b._hdim_name(b.Shape(128, False, 1024, 1, 1))) == ("192/128", "128")
+
+
+def test_dry_run_of_the_mla_shapes(capsys):
+  b = _bench()
+  assert b.main(["--shapes", "mla", "--dry-run", "--impls", "fa3,cudnn"]) == 0
+  out = capsys.readouterr().out
+  assert "# 3 shapes x 2 impls x 2 modes = 12 measurements" in out
+  plans = [l for l in out.splitlines() if l.startswith("  d=")]
+  assert plans == [
+      "  d=192/128 causal=no seqlen= 8192 batch= 2 heads=16: fwd 1.374 TFLOP, bwd 3.573 TFLOP",
+      "  d=192/128 causal=yes seqlen= 8192 batch= 2 heads=16: fwd 0.687 TFLOP, bwd 1.787 TFLOP",
+      "  d=128/64 causal=yes seqlen= 8192 batch= 2 heads=16: fwd 0.412 TFLOP, bwd 1.100 TFLOP"]
+  assert sum("| 192/128 |" in l for l in out.splitlines()) == 8
+  # --value-hdim gives the sweep (and the real-model shapes) a value dim.
+  args = b.parse_args(["--value-hdim", "64", "--hdims", "128", "--seqlens", "8k"])
+  assert b.plan(args.seqlens, args.hdims, args.causals, hdim_v=args.value_hdim) == [
+      b.Shape(128, c, 8192, 2, 16, hdim_v=64) for c in (False, True)]
+  capsys.readouterr()
+  assert b.main(["--shapes", "all", "--value-hdim", "64", "--hdims", "128", "--seqlens", "8k",
+                 "--dry-run"]) == 0
+  plans = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  d=")]
+  assert len(plans) == 5 and all(l.startswith("  d=128/64 ") for l in plans)
+
+
 def test_window_flops_and_real_shapes():
   b = _bench()
   # (4096, 0) window at 16k: rows 0..4095 see i + 1 keys, the rest 4097.
@@ -87,10 +131,83 @@ def test_results_csv_round_trip_and_replot(tmp_path):
                  (got.sm_mhz, want.sm_mhz)):
       assert (a is None) == (c is None) and (a is None or abs(a - c) <= 5e-3 * abs(c))
   assert abs(next(r for r in back if r.impl == "fa3").ratio - 700.0 / 636.4) < 1e-3
+  # The value head dim round-trips; a CSV written before it existed reads as hdim.
+  mla = b.Shape(192, True, 8192, 2, 16, hdim_v=128)
+  b.write_csv([b.Row("fa3", "bwd", "bfloat16", mla, 2.0, 600.0)], str(tmp_path / "mla.csv"))
+  assert [r.shape for r in b.read_csv(str(tmp_path / "mla.csv"))] == [mla]
+  with open(path, newline="") as f:
+    old = [{k: v for k, v in d.items() if k != "hdim_v"} for d in csv.DictReader(f)]
+  with open(tmp_path / "old.csv", "w", newline="") as f:
+    w = csv.DictWriter(f, [k for k in b.CSV_FIELDS if k != "hdim_v"])
+    w.writeheader()
+    w.writerows(old)
+  assert sorted((r.impl, r.mode, r.shape) for r in b.read_csv(str(tmp_path / "old.csv"))) == sorted(
+      (r.impl, r.mode, r.shape) for r in rows)
   out = tmp_path / "plot"
   rc = b.main(["--replot", str(path), "--out", str(out)])
   if b.pyplot() is not None:  # the plot needs matplotlib; the table does not
     assert rc == 0 and (out / "bench.png").stat().st_size > 1000
+
+
+def test_softmax_reference_matches_jax_nn_and_numpy(cpu_backend):
+  """check_peer's reference where jax.nn cannot run (Hv != H): jax.nn's xla path
+  at Hv == H, a NumPy softmax at Hv != H (GQA, causal, window)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  b = _bench()
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (2, 40, 4, 16))
+  k = jax.random.normal(ks[1], (2, 40, 2, 16))
+  for causal, win in ((False, -1), (True, -1), (True, 7)):
+    v = jax.random.normal(ks[2], (2, 40, 2, 16))
+    want = jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="xla",
+        local_window_size=None if win < 0 else (win, 0))
+    np.testing.assert_allclose(b.softmax_attention(q, k, v, causal, win), want,
+                               rtol=1e-5, atol=1e-5)
+    v = jax.random.normal(ks[2], (2, 40, 2, 8))
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    kn, vn = np.repeat(kn, 2, axis=2), np.repeat(vn, 2, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", qn, kn) / 4.0
+    i, j = np.arange(40)[:, None], np.arange(40)[None, :]
+    keep = (j <= i if causal else np.ones((40, 40), bool)) & (j >= i - win if win >= 0 else True)
+    p = np.exp(np.where(keep, s, -np.inf) - np.where(keep, s, -np.inf).max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(b.softmax_attention(q, k, v, causal, win),
+                               np.einsum("bnts,bsnh->btnh", p, vn), rtol=1e-5, atol=1e-5)
+
+
+def test_check_peer_with_a_value_head_dim(cpu_backend, monkeypatch):
+  """check_peer at Hv != H: jax_fa3's reference passes, a wrong result and
+  wrong gradients fail, and cuDNN off a GPU is unavailable."""
+  import jax
+  import jax.numpy as jnp
+  b = _bench()
+  assert b.check_peer("cudnn", b.Shape(64, True, 256, 1, 4, 2, hdim_v=32), jnp.bfloat16,
+                      True)[0].startswith("unavailable")
+  # The cuDNN route for Hv != H: JAX's cuDNN wrapper, causal, scale 1/sqrt(H).
+  fn = b._attn_fn("cudnn", b.Shape(192, True, 8192, 2, 16, hdim_v=128))
+  assert fn.func.__module__.endswith("fused_attention_stablehlo")
+  assert fn.keywords["mask_type"].name == "CAUSAL" and abs(fn.keywords["scale"] - 192 ** -0.5) < 1e-12
+  jax_fa3 = b._import_jax_fa3()
+  attn_fn = b._attn_fn
+  peers = {
+      "good": lambda s: lambda q, k, v: jax_fa3.attention(
+          q, k, v, is_causal=s.causal, implementation="reference"),
+      "wrong": lambda s: lambda q, k, v: 1.1 * jax_fa3.attention(
+          q, k, v, is_causal=s.causal, implementation="reference"),
+      # Right values, the gradients of a second, unmasked attention added.
+      "badgrad": lambda s: lambda q, k, v: b.softmax_attention(q, k, v, s.causal) + (
+          lambda x: x - jax.lax.stop_gradient(x))(b.softmax_attention(q, k, v, False))}
+  monkeypatch.setattr(b, "_attn_fn", lambda impl, s: peers[impl](s) if impl in peers
+                      else attn_fn(impl, s))
+  shape = b.Shape(64, True, 256, 1, 4, 2, hdim_v=32)
+  assert b.check_peer("good", shape, jnp.bfloat16, True) == (None, None)
+  fwd, _ = b.check_peer("wrong", shape, jnp.bfloat16, False)
+  assert fwd and fwd.startswith("out error")
+  fwd, grads = b.check_peer("badgrad", shape, jnp.bfloat16, True)
+  assert fwd is None and grads and "dq error" in grads
 
 
 def test_ncu_regions_groups_by_execution_count(tmp_path, capsys):
