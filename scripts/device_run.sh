@@ -80,11 +80,13 @@ for stage in "$@"; do
       done; done; done 2>&1 | tee "$OUT/timing.log" ;;
     profile)  # ncu on PROFILE_SHAPES (B,T,N,D,CAUSAL ...), one launch each
       # (read prof_*_sass.csv with scripts/ncu_regions.py: warp stalls per code region);
-      # the backward: PROFILE_KERNEL=bwd_kernel PROFILE_BIN=build-dev/jax_fa3_bwd_check
+      # the backward: PROFILE_KERNEL=bwd_kernel PROFILE_BIN=build-dev/jax_fa3_bwd_check;
+      # PROFILE_ARGS="--dv 128": a value-head-dim kernel
       for shape in ${PROFILE_SHAPES:-8,2048,16,128,1 8,2048,16,128,0}; do
         tag=$(echo "$shape" | tr , _)
         ncu --clock-control none --set full -k regex:${PROFILE_KERNEL:-fwd_kernel} --launch-skip 3 --launch-count 1 \
-          -o "$OUT/prof_$tag" -f ${PROFILE_BIN:-$FWD_CHECK} --time "$shape" --iters 1 > "$OUT/prof_$tag.log" 2>&1
+          -o "$OUT/prof_$tag" -f ${PROFILE_BIN:-$FWD_CHECK} --time "$shape" --iters 1 ${PROFILE_ARGS:-} \
+          > "$OUT/prof_$tag.log" 2>&1
         ncu --import "$OUT/prof_$tag.ncu-rep" --page details > "$OUT/prof_$tag.txt" 2>&1
         ncu --import "$OUT/prof_$tag.ncu-rep" --page raw --csv > "$OUT/prof_${tag}_raw.csv" 2>&1
         ncu --import "$OUT/prof_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/prof_${tag}_sass.csv" 2>&1
