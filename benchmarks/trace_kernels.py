@@ -122,7 +122,7 @@ def main(argv=None) -> int:
   sets = bench.make_inputs(shape, jnp.dtype(args.dtype), 2)
   print(f"# {shape}, {args.dtype}")
   for impl in args.impls.split(","):
-    attn = bench._attn_fn(impl, shape.causal)
+    attn = bench._attn_fn(impl, shape)
     fns = {"fwd": jax.jit(lambda q, k, v, do: attn(q, k, v))}
 
     @jax.jit
