@@ -62,6 +62,19 @@ std::vector<Config> list_configs(int count, ConfigFn config) {
   return out;
 }
 
+// (dtype name, head dim, value head dim) of the rows of one kernel table whose
+// V head dim differs from Q/K's; value_dim(i, &dtype, &head_dim) fills row i
+// and returns that V head dim, or 0 where it is Q/K's.
+template <class ValueDimFn>
+std::vector<std::tuple<std::string, int, int>> list_value_configs(int count, ValueDimFn value_dim) {
+  std::vector<std::tuple<std::string, int, int>> out;
+  for (int i = 0; i < count; ++i) {
+    int dtype = 0, head_dim = 0;
+    if (const int dv = value_dim(i, &dtype, &head_dim)) { out.emplace_back(dtype_name(dtype), head_dim, dv); }
+  }
+  return out;
+}
+
 // For the tables whose every row is reported.
 template <void (*Fn)(int, int*, int*)>
 bool every_row(int i, int* dtype, int* head_dim) {
@@ -85,15 +98,10 @@ NB_MODULE(_jax_fa3, m) {
   // (dtype, head dim, value head dim) of the forward tiles for a V head dim
   // unlike Q/K's.
   m.def("compiled_value_configs", [] {
-    std::vector<std::tuple<std::string, int, int>> out;
-    for (int i = 0; i < jax_fa3_num_fwd_kernels(); ++i) {
-      int dtype = 0, head_dim = 0;
-      jax_fa3_fwd_kernel_config(i, &dtype, &head_dim);
-      if (const int dv = jax_fa3_fwd_kernel_value_dim(i)) {
-        out.emplace_back(dtype_name(dtype), head_dim, dv);
-      }
-    }
-    return out;
+    return list_value_configs(jax_fa3_num_fwd_kernels(), [](int i, int* dtype, int* head_dim) {
+      jax_fa3_fwd_kernel_config(i, dtype, head_dim);
+      return jax_fa3_fwd_kernel_value_dim(i);
+    });
   });
   // (dtype, head dim) pairs with a backward kernel (V's head dim the same);
   // the others differentiate through the reference backward.
@@ -104,13 +112,10 @@ NB_MODULE(_jax_fa3, m) {
   });
   // (dtype, head dim, value head dim) of the backward kernels for a V head dim unlike Q/K's.
   m.def("compiled_bwd_value_configs", [] {
-    std::vector<std::tuple<std::string, int, int>> out;
-    for (int i = 0; i < jax_fa3_num_bwd_kernels(); ++i) {
-      int dtype = 0, head_dim = 0;
-      const int dv = jax_fa3_bwd_kernel_config(i, &dtype, &head_dim);
-      if (dv != head_dim) { out.emplace_back(dtype_name(dtype), head_dim, dv); }
-    }
-    return out;
+    return list_value_configs(jax_fa3_num_bwd_kernels(), [](int i, int* dtype, int* head_dim) {
+      const int dv = jax_fa3_bwd_kernel_config(i, dtype, head_dim);
+      return dv != *head_dim ? dv : 0;
+    });
   });
   // (output dtype, head dim) pairs with an FP8 forward kernel, one per V layout.
   m.def("compiled_fp8_configs", [] {

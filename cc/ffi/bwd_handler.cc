@@ -149,18 +149,18 @@ JAX_FA3_EXPORT int jax_fa3_bwd_kernel_config(int i, int* dtype, int* head_dim) {
   return jax_fa3::kBwdKernels[i].head_dim_v;
 }
 // Direct launch without XLA (cc/tools/bwd_check.cc: compute-sanitizer runs).
-// p: a non-empty problem (d_v = 0: V's head dim is d) (the handler's zero-size shortcuts are not repeated)
+// p: a non-empty problem (the handler's zero-size shortcuts are not repeated)
 // with every pointer set, scratch included (sizes as in BwdParams; the
-// launcher initializes all of it). Returns 0, a cudaError_t, or -1 when
-// (dtype, head dim) is not compiled.
+// launcher initializes all of it); d_v = 0 means V's head dim is d. Returns 0,
+// a cudaError_t, or -1 when (dtype, head dims) is not compiled.
 JAX_FA3_EXPORT int jax_fa3_bwd_launch(const jax_fa3::BwdParams* p, int dtype, cudaStream_t stream) {
-  const jax_fa3::BwdKernelEntry* e = jax_fa3::find_kernel(jax_fa3::DType(dtype), p->d, p->d_v > 0 ? p->d_v : p->d);
+  jax_fa3::BwdParams params = *p;
+  if (params.d_v == 0) { params.d_v = params.d; }
+  const jax_fa3::BwdKernelEntry* e = jax_fa3::find_kernel(jax_fa3::DType(dtype), params.d, params.d_v);
   if (e == nullptr) { return -1; }
   // The scratch is indexed with t_pad: a caller's mismatch would be an
   // out-of-bounds access the sanitizer blames on the kernel.
-  if (p->t_pad != jax_fa3::padded_rows(p->t)) { return int(cudaErrorInvalidValue); }
-  jax_fa3::BwdParams params = *p;
-  if (params.d_v == 0) { params.d_v = params.d; }
+  if (params.t_pad != jax_fa3::padded_rows(params.t)) { return int(cudaErrorInvalidValue); }
   if (params.num_sms == 0) { params.num_sms = jax_fa3::sm_count(); }
   return int(e->launch(params, stream));
 }
