@@ -80,21 +80,23 @@ def auto_splits(batch, heads, rows, capacity, head_dim, num_sms=None):
 
 def _merge_splits(out, lse):
   """``out [B, Z, T, N, H]`` parts normalized over their own keys, ``lse [B,
-  Z, N, T]`` (+inf: a part without keys) -> ``[B, T, N, H]`` in float32."""
+  Z, N, T]`` (+inf: a part without keys) -> ``[B, T, N, H]`` in out's dtype
+  (merged in float32)."""
   if out.shape[1] == 1:
-    return out[:, 0].astype(jnp.float32)
+    return out[:, 0]
   l = jnp.where(lse == jnp.inf, -jnp.inf, lse)
   m = jnp.max(l, axis=1, keepdims=True)
   w = jnp.exp(l - jnp.where(jnp.isfinite(m), m, 0.0))
   total = jnp.sum(w, axis=1, keepdims=True)
   w = w / jnp.where(total > 0, total, 1.0)
-  return jnp.einsum("bznt,bztnh->btnh", w, out.astype(jnp.float32))
+  merged = jnp.einsum("bznt,bztnh->btnh", w, out.astype(jnp.float32))
+  return merged.astype(out.dtype)
 
 
 def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
                       causal, window, softcap, num_splits):
   """The kernel path: a GQA group's query heads packed as rows of their kv
-  head, positions ``lengths - Tq + i`` (bottom-right)."""
+  head (sharding.kvcache_fwd), positions ``lengths - Tq + i`` (bottom-right)."""
   B, Tq, N, H = q.shape
   K = k_cache.shape[2]
   G = N // K
@@ -102,9 +104,6 @@ def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
   # groups keep their heads, which the kernel maps to kv heads.
   pack = G if G & (G - 1) == 0 else 1
   rows, heads = Tq * pack, N // pack
-  qp = q
-  if pack > 1:
-    qp = q.reshape(B, Tq, K, G, H).transpose(0, 1, 3, 2, 4).reshape(B, rows, K, H)
   left = window[0] if window is not None else -1
   right = 0 if causal else (window[1] if window is not None else -1)
   paged = page_table is not None
@@ -112,13 +111,10 @@ def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
   ns = num_splits or auto_splits(B, heads, rows, capacity, H)
   pt = page_table if paged else jnp.zeros((B, 0), jnp.int32)
   out, lse = sharding.kvcache_fwd(
-      qp, k_cache, v_cache, jnp.full((B,), rows, jnp.int32), lengths,
+      q, k_cache, v_cache, jnp.full((B,), rows, jnp.int32), lengths,
       lengths - Tq, pt, scale=scale, softcap=softcap, window_left=left,
       window_right=right, q_pack=pack, num_splits=ns)
-  o = _merge_splits(out, lse).astype(q.dtype)
-  if pack == 1:
-    return o
-  return o.reshape(B, Tq, G, K, H).transpose(0, 1, 3, 2, 4).reshape(B, Tq, N, H)
+  return _merge_splits(out, lse)
 
 
 def _check_cache(k_cache, v_cache, page_table, B, K, H):

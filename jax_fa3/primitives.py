@@ -126,16 +126,18 @@ def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, pairs=None,
 
 def kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table, *,
                 scale, softcap=0.0, window_left=-1, window_right=-1, q_pack=1,
-                num_splits=1):
+                num_splits=1, heads_major=False):
   """``(out [B, num_splits, T, N, H], lse f32 [B, num_splits, N, T])``: the
   split-KV parts of attention on a cache (:func:`reference.kvcache_fwd`);
   ``page_table`` int32 ``[B, pages]``, or ``[B, 0]`` for a contiguous
-  cache."""
+  cache.  ``heads_major``: q is ``[B, N, T, H]`` and out ``[B, num_splits,
+  N, T, H]``."""
   return tuple(kvcache_fwd_p.bind(
       q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
       scale=float(scale), softcap=float(softcap),
       window_left=int(window_left), window_right=int(window_right),
-      q_pack=int(q_pack), num_splits=int(num_splits)))
+      q_pack=int(q_pack), num_splits=int(num_splits),
+      heads_major=bool(heads_major)))
 
 
 # ------------------------------------------------------------ abstract eval
@@ -174,8 +176,12 @@ def _fp8_fwd_shapes(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *_segs, out_dtype,
   return (_sds(q8.shape, out_dtype), _sds((b, n, t), _F32))
 
 
-def _kvcache_shapes(q, *_, num_splits, **__):
+def _kvcache_shapes(q, *_, num_splits, heads_major, **__):
   b, t, n, h = q.shape
+  if heads_major:
+    n, t = t, n
+    return (_sds((b, num_splits, n, t, h), q.dtype),
+            _sds((b, num_splits, n, t), _F32))
   return (_sds((b, num_splits, t, n, h), q.dtype),
           _sds((b, num_splits, n, t), _F32))
 
@@ -257,9 +263,10 @@ def _fp8_fwd_attrs(scale, window_left, window_right, out_dtype,
               v_transposed=np.int32(v_transposed))
 
 
-def _kvcache_attrs(q_pack, num_splits, **attrs):
+def _kvcache_attrs(q_pack, num_splits, heads_major, **attrs):
   return dict(_fwd_attrs(**attrs), q_pack=np.int32(q_pack),
-              num_splits=np.int32(num_splits))
+              num_splits=np.int32(num_splits),
+              heads_major=np.int32(heads_major))
 
 
 def bwd_kernel_available(dtype, head_dim, value_head_dim=None) -> bool:

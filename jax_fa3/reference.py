@@ -262,7 +262,8 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
 
 
 def kvcache_fwd(q, k, v, q_lens, kv_lens, q_offset, page_table, *, scale,
-                softcap, window_left, window_right, q_pack, num_splits):
+                softcap, window_left, window_right, q_pack, num_splits,
+                heads_major=False):
   """The KV-cache kernel call (``primitives.kvcache_fwd``) in pure JAX.
 
   ``q [B,T,N,H]``: row ``i`` of batch ``b`` sits at position ``q_offset[b]
@@ -273,7 +274,14 @@ def kvcache_fwd(q, k, v, q_lens, kv_lens, q_offset, page_table, *, scale,
   of the keys, each normalized over its own keys (a part with none: 0 and
   ``+inf``); here part ``z`` holds positions ``[z c, (z + 1) c)``, ``c =
   ceil(S / Z)`` (the kernel splits by key blocks: any partition merges to
-  the same result)."""
+  the same result).  ``heads_major``: q ``[B, N, T, H]`` and out ``[B, Z, N,
+  T, H]``."""
+  if heads_major:
+    out, lse = kvcache_fwd(
+        q.transpose(0, 2, 1, 3), k, v, q_lens, kv_lens, q_offset, page_table,
+        scale=scale, softcap=softcap, window_left=window_left,
+        window_right=window_right, q_pack=q_pack, num_splits=num_splits)
+    return out.transpose(0, 1, 3, 2, 4), lse
   B, T, N, H = q.shape
   if page_table.shape[1]:
     ps = k.shape[1]

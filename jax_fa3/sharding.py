@@ -57,7 +57,7 @@ _QUANT_RULE = ("b t Q h, b s k h, b s k h, h, f -> b t Q h, b s k h, V, "
                "b Q x, b k y, b k y")
 _FP8_FWD_RULE = "b t Q h, b s k h, V, b Q x, b k y, b k y, b, b, SEG -> b t Q h, b Q t"
 _V_LAYOUT = {False: "b s k h", True: "b k h z"}
-# KV caches: q's rows t (a GQA group's heads packed as rows, or not); a
+# KV caches: q as the caller holds it (_kvcache_impl packs GQA groups); a
 # contiguous cache follows the batch, a paged pool (c pages) is whole on
 # every batch shard; z: split parts.
 _KVCACHE_RULE = "b t Q h, C s k h, C s k h, b, b, b, b p -> b z t Q h, b z Q t"
@@ -348,10 +348,26 @@ def _fp8_fwd_partition(scale, window_left, window_right, out_dtype,
 def _kvcache_impl(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
                   scale, softcap, window_left, window_right, q_pack,
                   num_splits):
-  return primitives.kvcache_fwd(
-      q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
-      scale=scale, softcap=softcap, window_left=window_left,
-      window_right=window_right, q_pack=q_pack, num_splits=num_splits)
+  """``q [B, T, N, H]`` -> ``(out [B, Z, T, N, H], lse [B, Z, N, T])``.  With
+  ``q_pack`` > 1 a kv head's group of query heads runs as its ``T * q_pack``
+  rows, which the kernel reads heads-major (``[B, K, T * q_pack, H]``): for
+  a decode step (T = 1) that is q as it lies, and out and lse come back in
+  place too (the transposes below move only size-1 axes)."""
+  kw = dict(scale=scale, softcap=softcap, window_left=window_left,
+            window_right=window_right, q_pack=q_pack, num_splits=num_splits)
+  if q_pack == 1:
+    return primitives.kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens,
+                                  q_offset, page_table, **kw)
+  B, T, N, H = q.shape
+  K, G = N // q_pack, q_pack
+  qp = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+  out, lse = primitives.kvcache_fwd(qp, k_cache, v_cache, q_lens, kv_lens,
+                                    q_offset, page_table, heads_major=True,
+                                    **kw)
+  Z = out.shape[1]
+  out = out.reshape(B, Z, K, T, G, H).transpose(0, 1, 3, 2, 4, 5)
+  lse = lse.reshape(B, Z, K, T, G).transpose(0, 1, 2, 4, 3)
+  return out.reshape(B, Z, T, N, H), lse.reshape(B, Z, N, T)
 
 
 def _kvcache_shardings(plan, paged):

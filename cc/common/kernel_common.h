@@ -23,6 +23,15 @@ SeqLayout<HeadDim> btnh_layout(int seq, int heads, int batch) {
                                         int64_t(seq) * heads * HeadDim));
 }
 
+// The same tensor stored heads-major, [batch, heads, seq, d] (a decode step's
+// [B, 1, K * G, d] queries seen as G rows of each of K heads).
+template <int HeadDim>
+SeqLayout<HeadDim> bhtd_layout(int seq, int heads, int batch) {
+  return SeqLayout<HeadDim>(make_shape(seq, Int<HeadDim>{}, heads, batch),
+                            make_stride(int64_t(HeadDim), _1{}, int64_t(seq) * HeadDim,
+                                        int64_t(seq) * heads * HeadDim));
+}
+
 // The K/V tensors' (rows, batches) as TMA sees them: (s, b), or a paged
 // cache's (page_size, num_pages) (FwdParams::pages).
 struct KvExtent {

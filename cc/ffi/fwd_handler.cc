@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 #include "xla/ffi/api/ffi.h"
@@ -94,17 +95,20 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 // contiguous [B, S, K, H] or paged [pages, page_size, K, H] cache, queries at
 // positions q_offset[b] + row / q_pack, split-KV into num_splits parts whose
 // O [B, splits, T, N, H] and LSE [B, splits, N, T] the caller merges.
+// heads_major: q is [B, N, T, H] and O [B, splits, N, T, H] instead.
 ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> page_table,
                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
                           float softcap, int32_t window_left, int32_t window_right, int32_t q_pack,
-                          int32_t num_splits) {
+                          int32_t num_splits, int32_t heads_major) {
   constexpr const char* who = "jax_fa3_kvcache_fwd";
   DType dtype;
   if (const char* why = bad_operands(q, k, v, *o, &dtype)) { return invalid(who, why); }
   FwdParams p;
   set_dims(p, q, k);
+  p.heads_major = heads_major != 0;
+  if (p.heads_major) { std::swap(p.t, p.n); }
   auto kd = k.dimensions(), vd = v.dimensions(), pd = page_table.dimensions();
   const bool paged = page_table.element_count() != 0;
   if (!std::equal(kd.begin(), kd.end(), vd.begin()) || kd[3] != p.d || p.kh == 0 || p.n % p.kh != 0) {
@@ -124,8 +128,10 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
     return invalid(who, "q_pack must be a power of two and num_splits >= 1");
   }
   auto od = o->dimensions();
-  if (od.size() != 5 || od[0] != p.b || od[1] != num_splits || od[2] != p.t || od[3] != p.n || od[4] != p.d) {
-    return invalid(who, "out must be [B, num_splits, T, N, H]");
+  const int64_t o_dim2 = p.heads_major ? p.n : p.t, o_dim3 = p.heads_major ? p.t : p.n;
+  if (od.size() != 5 || od[0] != p.b || od[1] != num_splits || od[2] != o_dim2 || od[3] != o_dim3 ||
+      od[4] != p.d) {
+    return invalid(who, "out must be [B, num_splits, T, N, H] ([B, num_splits, N, T, H] heads-major)");
   }
   if (p.b == 0 || p.t == 0 || p.n == 0) { return ffi::Error::Success(); }
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
@@ -168,7 +174,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("window_left")
         .Attr<int32_t>("window_right")
         .Attr<int32_t>("q_pack")
-        .Attr<int32_t>("num_splits"),
+        .Attr<int32_t>("num_splits")
+        .Attr<int32_t>("heads_major"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

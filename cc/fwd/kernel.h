@@ -152,13 +152,15 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if ((p.dv > 0 ? p.dv : p.d) != Traits::kHeadDimV) { return cudaErrorInvalidValue; }
   auto layout = btnh_layout<HeadDim>;
   auto layout_v = btnh_layout<Traits::kHeadDimV>;
+  auto layout_q = p.heads_major ? bhtd_layout<HeadDim> : layout;
+  auto layout_o = p.heads_major ? bhtd_layout<Traits::kHeadDimV> : layout_v;
   const KvExtent kv = KvExtent::of(p);
   FwdKernelParams<Traits> kp{
       p,
-      Traits::make_tma_q(static_cast<const Element*>(p.q), layout(p.t, p.n, p.b)),
+      Traits::make_tma_q(static_cast<const Element*>(p.q), layout_q(p.t, p.n, p.b)),
       Traits::make_tma_k(static_cast<const Element*>(p.k), layout(kv.rows, p.kh, kv.batches)),
       Traits::make_tma_v(static_cast<const Element*>(p.v), layout_v(kv.rows, p.kh, kv.batches)),
-      Traits::make_tma_o(static_cast<Element*>(p.o), layout_v(p.t, p.n, p.b * p.num_splits)),
+      Traits::make_tma_o(static_cast<Element*>(p.o), layout_o(p.t, p.n, p.b * p.num_splits)),
   };
   return launch_kernel(fwd_kernel<Traits, Scheduler>, Scheduler::grid(p, Traits::kBlockM), Traits::kNumThreads,
                        Traits::kSmemBytes, stream, kp);

@@ -83,6 +83,10 @@ struct FwdParams {
   int window_left = -1;    // key j visible from query i iff j >= i - left (-1: unbounded)
   int window_right = -1;   //                          and j <= i + right (-1: unbounded)
   int num_sms = 0;
+  // Q and O are stored heads-major, q [b, n, t, d] and o [b * num_splits, n,
+  // t, dv] (the KV-cache entry point's packed GQA rows: a decode step's
+  // queries need no transpose). Read by the host launcher only.
+  bool heads_major = false;
 };
 
 // One entry per compiled (dtype, head dim) instantiation.

@@ -10,6 +10,9 @@
 // Exit status 0 iff every case matches, is NaN-free and bit-reproducible.
 //   jax_fa3_fwd_check --time B,T,N,D,CAUSAL [--iters 20]
 // times one shape with CUDA events (no check): a target for `ncu`.
+//   jax_fa3_fwd_check --time-decode B,L,K,D,G [--splits S] [--variant V]
+// times one decode step (a group of G query heads packed as rows of each of K
+// kv heads, against a contiguous cache of L keys), reporting K/V GB/s.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -48,12 +51,15 @@ struct Case {
   // here, a paged cache of kv_page-key pages (0: contiguous) behind a shuffled table
   // whose unused pages hold NaN.
   int kv_pack = 0, kv_splits = 1, kv_page = 0;
+  bool heads_major = false;  // Q and O stored [b, n, t, d] (FwdParams::heads_major)
 };
 
-Case kv_case(int b, int t, int s, int kh, bool causal, int pack, int splits, int page, int left = -1, int n = 0) {
+Case kv_case(int b, int t, int s, int kh, bool causal, int pack, int splits, int page, int left = -1, int n = 0,
+             bool heads_major = false) {
   Case c{b, t, s, n ? n : kh, kh, causal, left};
   c.lens = true;
   c.kv_pack = pack; c.kv_splits = splits; c.kv_page = page;
+  c.heads_major = heads_major;
   return c;
 }
 
@@ -109,7 +115,16 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   CHECK_CUDA(cudaMalloc(&dV, nv * 2)); CHECK_CUDA(cudaMalloc(&dout, no * ns * 2));
   CHECK_CUDA(cudaMalloc((void**)&dlse, nlse * ns * 4));
   CHECK_CUDA(cudaMalloc((void**)&dql, c.b * 4)); CHECK_CUDA(cudaMalloc((void**)&dkl, c.b * 4));
-  CHECK_CUDA(cudaMemcpy(dq, hq.data(), nq * 2, cudaMemcpyHostToDevice));
+  if (c.heads_major) {  // the kernel reads [b, n, t, d]; hq stays [b, t, n, d] for the reference
+    std::vector<uint16_t> hm(nq);
+    for (int b = 0; b < c.b; ++b)
+      for (int i = 0; i < c.t; ++i)
+        for (int h = 0; h < c.n; ++h)
+          std::memcpy(&hm[((size_t(b) * c.n + h) * c.t + i) * d], &hq[((size_t(b) * c.t + i) * c.n + h) * d], d * 2);
+    CHECK_CUDA(cudaMemcpy(dq, hm.data(), nq * 2, cudaMemcpyHostToDevice));
+  } else {
+    CHECK_CUDA(cudaMemcpy(dq, hq.data(), nq * 2, cudaMemcpyHostToDevice));
+  }
   CHECK_CUDA(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dV, hv.data(), nv * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dql, qlen.data(), c.b * 4, cudaMemcpyHostToDevice));
@@ -134,6 +149,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
   p.q_offset = doff; p.num_splits = ns;
+  p.heads_major = c.heads_major;
   while (kv && (1 << p.q_pack_log2) < c.kv_pack) { ++p.q_pack_log2; }
   if (paged) { p.pages = {dtab, ppr, c.kv_page, num_pages}; }
   const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
@@ -168,7 +184,8 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
       for (int i = 0; i < c.t; ++i) {
         auto lse_of = [&](int z) { return double(lse[0][((size_t(b) * ns + z) * c.n + h) * c.t + i]); };
         auto o_of = [&](int z, int x) {
-          return double(dec(out[0][(((size_t(b) * ns + z) * c.t + i) * c.n + h) * dv + x]));
+          const size_t bz = size_t(b) * ns + z;
+          return double(dec(out[0][(c.heads_major ? (bz * c.n + h) * c.t + i : (bz * c.t + i) * c.n + h) * dv + x]));
         };
         double m = -INFINITY;
         for (int z = 0; z < ns; ++z) {
@@ -236,6 +253,24 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
 
 }  // namespace
 
+// Mean milliseconds of `iters` back-to-back launches after 3 warm-up ones
+// (CUDA events); -1 when a launch fails.
+float time_launches(const jax_fa3::FwdParams& p, bool bf16, const char* variant, int iters) {
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) jax_fa3_fwd_launch(&p, bf16 ? 0 : 1, variant, nullptr);
+  CHECK_CUDA(cudaEventRecord(e0));
+  for (int i = 0; i < iters; ++i) {
+    int err = jax_fa3_fwd_launch(&p, bf16 ? 0 : 1, variant, nullptr);
+    if (err != 0) { std::fprintf(stderr, "launch failed: %d\n", err); return -1.f; }
+  }
+  CHECK_CUDA(cudaEventRecord(e1));
+  CHECK_CUDA(cudaEventSynchronize(e1));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  return ms / iters;
+}
+
 // Times the kernel alone on one shape (inputs: a fixed bit pattern, never zeros).
 int time_shape(const std::string& spec, bool bf16, const char* variant, int iters, int dv_arg) {
   check_util::TimeSpec ts;
@@ -261,28 +296,57 @@ int time_shape(const std::string& spec, bool bf16, const char* variant, int iter
   p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse; p.q_lens = lens; p.kv_lens = lens;
   p.b = b; p.t = t; p.s = t; p.n = n; p.kh = n; p.d = d; p.dv = dv;
   p.scale = 1.f / std::sqrt(float(d)); p.window_right = causal ? 0 : -1;
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) jax_fa3_fwd_launch(&p, bf16 ? 0 : 1, variant, nullptr);
-  CHECK_CUDA(cudaEventRecord(e0));
-  for (int i = 0; i < iters; ++i) {
-    int err = jax_fa3_fwd_launch(&p, bf16 ? 0 : 1, variant, nullptr);
-    if (err != 0) { std::fprintf(stderr, "launch failed: %d\n", err); return 2; }
-  }
-  CHECK_CUDA(cudaEventRecord(e1));
-  CHECK_CUDA(cudaEventSynchronize(e1));
-  float ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-  ms /= iters;
+  const float ms = time_launches(p, bf16, variant, iters);
+  if (ms < 0) { return 2; }
   double flops = 2.0 * b * n * double(t) * t * (d + dv) / (causal ? 2 : 1);
   std::printf("fwd %s b%d t%d n%d d%d dv%d causal=%d variant=%s: %.4f ms  %.1f TFLOP/s\n",
               bf16 ? "bf16" : "fp16", b, t, n, d, dv, causal, variant, ms, flops / ms * 1e-9);
   return 0;
 }
 
+// A decode step as jax_fa3/kvcache.py issues it: q [B, G, K, D] (G packed
+// rows per kv head), cache [B, L, K, D], split into `splits` parts.
+int time_decode(const std::string& spec, bool bf16, const char* variant, int iters, int splits) {
+  int b, l, kh, d, g;
+  if (std::sscanf(spec.c_str(), "%d,%d,%d,%d,%d", &b, &l, &kh, &d, &g) != 5 || g < 1 || (g & (g - 1)) != 0) {
+    std::fprintf(stderr, "--time-decode wants B,L,K,D,G (G a power of two)\n");
+    return 2;
+  }
+  const size_t nq = size_t(b) * g * kh * d, nk = size_t(b) * l * kh * d;
+  std::vector<uint16_t> host(nk);
+  NormalRng rng(7);
+  fill_normal(host, rng, bf16);
+  void *q, *k, *v, *o; float* lse; int32_t *ql, *kl, *off;
+  CHECK_CUDA(cudaMalloc(&q, nq * 2)); CHECK_CUDA(cudaMalloc(&k, nk * 2)); CHECK_CUDA(cudaMalloc(&v, nk * 2));
+  CHECK_CUDA(cudaMalloc(&o, nq * splits * 2));
+  CHECK_CUDA(cudaMalloc((void**)&lse, nq / d * splits * 4));
+  for (void* x : {k, v}) CHECK_CUDA(cudaMemcpy(x, host.data(), nk * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(q, host.data(), nq * 2, cudaMemcpyHostToDevice));
+  std::vector<int32_t> hq(b, g), hk(b, l), ho(b, l - 1);
+  CHECK_CUDA(cudaMalloc((void**)&ql, b * 4)); CHECK_CUDA(cudaMalloc((void**)&kl, b * 4));
+  CHECK_CUDA(cudaMalloc((void**)&off, b * 4));
+  CHECK_CUDA(cudaMemcpy(ql, hq.data(), b * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(kl, hk.data(), b * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(off, ho.data(), b * 4, cudaMemcpyHostToDevice));
+  jax_fa3::FwdParams p;
+  p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse; p.q_lens = ql; p.kv_lens = kl; p.q_offset = off;
+  p.b = b; p.t = g; p.s = l; p.n = kh; p.kh = kh; p.d = d; p.dv = d;
+  while ((1 << p.q_pack_log2) < g) { ++p.q_pack_log2; }
+  p.num_splits = splits;
+  p.heads_major = true;  // as jax_fa3/kvcache.py passes a decode step's queries
+  p.scale = 1.f / std::sqrt(float(d)); p.window_right = 0;
+  const float ms = time_launches(p, bf16, variant, iters);
+  if (ms < 0) { return 2; }
+  std::printf("decode %s b%d l%d kh%d d%d g%d splits=%d variant=%s: %.4f ms  %.0f GB/s\n", bf16 ? "bf16" : "fp16",
+              b, l, kh, d, g, splits, variant, ms, 2.0 * nk * 2 / ms * 1e-6);
+  for (void* x : {q, k, v, o}) cudaFree(x);
+  cudaFree(lse); cudaFree(ql); cudaFree(kl); cudaFree(off);
+  return 0;
+}
+
 int main(int argc, char** argv) {
-  std::string dtype = "bf16", variant = "default", time_spec, only = "all";
-  int dv_arg = 0;
+  std::string dtype = "bf16", variant = "default", time_spec, decode_spec, only = "all";
+  int dv_arg = 0, splits = 1;
   int iters = 20;
   std::vector<int> hdims = {64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -290,12 +354,15 @@ int main(int argc, char** argv) {
     if (a == "--dtype") dtype = argv[i + 1];
     else if (a == "--variant") variant = argv[i + 1];
     else if (a == "--time") time_spec = argv[i + 1];
+    else if (a == "--time-decode") decode_spec = argv[i + 1];
+    else if (a == "--splits") splits = std::atoi(argv[i + 1]);
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
     else if (a == "--hdims") hdims = check_util::parse_int_list(argv[i + 1]);
     else if (a == "--only") only = argv[i + 1];
     else if (a == "--dv") dv_arg = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
+  if (!decode_spec.empty()) return time_decode(decode_spec, dtype == "bf16", variant.c_str(), iters, splits);
   if (!time_spec.empty()) return time_shape(time_spec, dtype == "bf16", variant.c_str(), iters, dv_arg);
   // Odd lengths, T != S, fewer K/V tiles than stages, several ring wrap-arounds,
   // GQA, windows, softcap, seq lengths, decode (T = 1).
@@ -326,6 +393,8 @@ int main(int argc, char** argv) {
       kv_case(2, 20, 1100, 2, true, 4, 4, 256), kv_case(2, 4, 900, 1, false, 4, 2, 640),
       kv_case(2, 160, 600, 2, true, 2, 2, 640), kv_case(2, 20, 1000, 2, true, 4, 3, 0, 300),
       kv_case(2, 3, 700, 2, true, 1, 2, 256, -1, 6),  // a group of 6 is not packed: heads map to kv heads
+      // Heads-major Q/O (a decode step's queries as they lie in [B, 1, N, H]).
+      kv_case(3, 4, 700, 2, true, 4, 1, 0, -1, 0, true), kv_case(2, 8, 1100, 2, true, 8, 3, 256, -1, 0, true),
   };
   const bool bf16 = dtype == "bf16";
   const double tol_o = bf16 ? 2e-2 : 4e-3;
