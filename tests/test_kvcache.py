@@ -314,3 +314,47 @@ def test_vmap_equals_a_loop(page_size):
     want = fn(*[one[i] for i in order])
     for g, w in zip(got, want):
       close(g[e], w, rtol=0, atol=0)
+
+
+def _kvcache_cuda_module(monkeypatch, Tq, N, K, H=128, B=2, cap=256):
+  """The CUDA lowering of a call (exported without a GPU), kernels assumed
+  compiled for bfloat16 at head dim H."""
+  from jax_fa3 import _native, primitives
+  monkeypatch.setattr(_native, "_CONFIGS", frozenset({("bfloat16", H)}))
+  q = jnp.ones((B, Tq, N, H), jnp.bfloat16)
+  kc = jnp.ones((B, cap, K, H), jnp.bfloat16)
+  lens = jnp.full((B,), 100, jnp.int32)
+  fn = jax.jit(lambda q, k, v, l: jax_fa3.attention_with_kvcache(q, k, v, l))
+  checks = [jax.export.DisabledSafetyCheck.custom_call(primitives.KVCACHE_TARGET)]
+  return jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+      q, kc, kc, lens).mlir_module()
+
+
+def _moving_transposes(text):
+  """Transposes that reorder axes longer than 1 (a real copy; moving
+  size-1 axes is a reshape)."""
+  import re
+  moving = []
+  for m in re.finditer(r"stablehlo\.transpose %\S+, dims = \[([\d, ]+)\] : "
+                       r"\(tensor<([\dx]+)x\w+>\)", text):
+    perm = [int(x) for x in m.group(1).split(",")]
+    shape = [int(x) for x in m.group(2).split("x")]
+    if [a for a in perm if shape[a] > 1] != sorted(a for a in perm if shape[a] > 1):
+      moving.append(m.group(0))
+  return moving
+
+
+@pytest.mark.parametrize("Tq,N,K,heads_major,q_type", [
+    (1, 32, 8, 1, "2x8x4x128"),     # decode: q read where it lies
+    (5, 32, 8, 1, "2x8x20x128"),    # verification: q transposed in, out back
+    (1, 12, 2, 0, "2x1x12x128"),    # a group of 6 is not packed
+])
+def test_cuda_lowering_reads_decode_queries_in_place(monkeypatch, Tq, N, K,
+                                                     heads_major, q_type):
+  text = _kvcache_cuda_module(monkeypatch, Tq, N, K)
+  calls = [l for l in text.splitlines() if "@jax_fa3_kvcache_fwd" in l]
+  assert len(calls) == 1, calls
+  assert f"heads_major = {heads_major} : i32" in calls[0]
+  assert f"(tensor<{q_type}xbf16>" in calls[0]
+  moving = _moving_transposes(text)
+  assert len(moving) == (0 if Tq == 1 else 2), moving
