@@ -129,6 +129,9 @@ for stage in "$@"; do
     packed)  # packed documents (segment ids) vs the documents one by one and the FA3 varlen kernel
       timeout ${PACKED_TIMEOUT:-300} python3 benchmarks/packed_bench.py --out "$OUT/packed" ${PACKED_ARGS:-} 2>&1 \
         | tee "$OUT/packed.log" | tail -25 ;;
+    maskbias)  # a Flax nnx layer with make_causal_mask, and an ALiBi bias with its gradient, against cuDNN
+      timeout ${MASKBIAS_TIMEOUT:-400} python3 benchmarks/mask_bias_bench.py --out "$OUT/mask_bias" ${MASKBIAS_ARGS:-} 2>&1 \
+        | tee "$OUT/mask_bias.log" | tail -30 ;;
     decode)  # KV-cache decode: K/V read bandwidth against a device copy, the FA3 KV-cache kernel, cuDNN
       timeout ${DECODE_TIMEOUT:-400} python3 benchmarks/decode_bench.py --out "$OUT/decode" ${DECODE_ARGS:-} 2>&1 \
         | tee "$OUT/decode.log" | tail -40 ;;

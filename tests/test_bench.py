@@ -272,3 +272,29 @@ def test_decode_bench_pages_points_and_check(cpu_backend):
   assert sorted(impls) == ["jax_fa3_paged", "jax_fa3_paged32"]
   for fn in impls.values():
     assert d.check("pure JAX", fn, args) is None
+
+
+def _mask_bias_bench():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  spec = importlib.util.spec_from_file_location("mask_bias_bench",
+                                                ROOT / "benchmarks" / "mask_bias_bench.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_mask_bias_bench_cases_and_check(cpu_backend):
+  import jax.numpy as jnp
+  import numpy as np
+  m = _mask_bias_bench()
+  b = np.asarray(m.alibi(4, 6, jnp.float32))
+  assert b.shape == (1, 4, 6, 6) and b[0, 0, 5, 2] == -(2.0 ** -2) * 3
+  assert (np.diagonal(b, axis1=2, axis2=3) == 0).all()
+  fn, args, dout = m.nnx_case(1, 64, 4, 2, 16, jnp.bfloat16)
+  for name in ("mask", "causal"):
+    assert m.verify(fn, name, args, dout) is None, name
+  fn, args, dout = m.bias_case(1, 64, 2, 16, jnp.bfloat16)
+  assert m.verify(fn, "fa3", args, dout) is None
+  # A wrong answer (the bias counted twice) is reported.
+  wrong = lambda name: (lambda q, k, v, bias: fn(name)(q, k, v, 2 * bias))  # noqa: E731
+  assert m.verify(lambda n: fn(n) if n == "reference" else wrong(n), "fa3", args, dout)
