@@ -177,13 +177,11 @@ def _fp8_fwd_shapes(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, *_segs, out_dtype,
 
 
 def _kvcache_shapes(q, *_, num_splits, heads_major, **__):
-  b, t, n, h = q.shape
-  if heads_major:
-    n, t = t, n
-    return (_sds((b, num_splits, n, t, h), q.dtype),
-            _sds((b, num_splits, n, t), _F32))
-  return (_sds((b, num_splits, t, n, h), q.dtype),
-          _sds((b, num_splits, n, t), _F32))
+  # out keeps q's layout per part; lse is [B, Z, N, T] either way.
+  b, d1, d2, h = q.shape
+  heads, rows = (d1, d2) if heads_major else (d2, d1)
+  return (_sds((b, num_splits, d1, d2, h), q.dtype),
+          _sds((b, num_splits, heads, rows), _F32))
 
 
 def _abstract(shapes_fn):
