@@ -500,6 +500,19 @@ def softmax_attention(q, k, v, causal: bool, window_left: int = -1):
 _CHECKED: dict = {}
 
 
+def fa3_rule(i, got, ref, same, name, slack=4e-3):
+  """None if ``got`` (the output for i = 0, a gradient after) is within the
+  FA3 rule of the float32 ``ref``: finite, error <= 2x (gradients 3x) the
+  error of the same computation in the input dtype (``same``) + ``slack``;
+  else why not."""
+  import numpy as np
+  err, base = float(np.abs(got - ref).max()), float(np.abs(same - ref).max())
+  bound = (2.0 if i == 0 else 3.0) * base + slack
+  if np.isfinite(got).all() and err <= bound:
+    return None
+  return f"{name} error {err:.3g} > {bound:.3g}"
+
+
 def check_peer(impl: str, shape: Shape, dtype, with_grads: bool) -> tuple:
   """(forward error or None, gradient error or None) of ``impl`` on a
   reduced copy of ``shape`` (batch 1, two K/V heads' worth of query heads, at
@@ -538,12 +551,8 @@ def check_peer(impl: str, shape: Shape, dtype, with_grads: bool) -> tuple:
     first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
     _CHECKED[key] = (f"unavailable ({type(e).__name__}: {first})", None)
     return _CHECKED[key]
-  why = []
-  for i, (g, r, m) in enumerate(zip(got, ref, same)):
-    err, base = float(np.abs(g - r).max()), float(np.abs(m - r).max())
-    bound = (2.0 if i == 0 else 3.0) * base + 4e-3
-    why.append(None if np.isfinite(g).all() and err <= bound else
-               f"{('out', 'dq', 'dk', 'dv')[i]} error {err:.3g} > {bound:.3g}")
+  why = [fa3_rule(i, g, r, m, ("out", "dq", "dk", "dv")[i])
+         for i, (g, r, m) in enumerate(zip(got, ref, same))]
   bad_grads = [w for w in why[1:] if w]
   _CHECKED[key] = (why[0], "; ".join(bad_grads) or None)
   return _CHECKED[key]
