@@ -50,13 +50,10 @@ def _check_mask_args(query_seq_lengths, key_value_seq_lengths,
   return q_lens, kv_lens, scale, wl, wr
 
 
-def _not_on_kernel(bias, mask, q, v):
-  """The argument(s) the kernels cannot take yet (None if none): a bias
-  (and a mask that comes with one), a value head dim unlike q's without a
-  compiled tile for the pair (192/128 and 128/64 are built)."""
-  del mask  # a boolean mask alone runs on the kernels
-  if bias is not None:
-    return "bias is"
+def _not_on_kernel(q, v):
+  """The argument(s) the kernels cannot take (None if none): a value head
+  dim unlike q's without a compiled tile for the pair (192/128 and 128/64
+  are built)."""
   if v.shape[-1] != q.shape[-1] and (np.dtype(q.dtype).name, q.shape[-1], v.shape[-1]) \
       not in _native.compiled_value_configs():
     return (f"a value head_dim ({v.shape[-1]}) different from the query/key "
@@ -81,7 +78,7 @@ def _use_kernel(q, implementation, unsupported=None):
 def _core(q, k, v, *, bias, mask, q_lens, kv_lens, scale, softcap, wl, wr,
           implementation, deterministic=False, segment_ids=None, sinks=None):
   """Validated 4-D inputs -> (out [B,T,N,Hv], lse f32 [B,N,T])."""
-  unsupported = _not_on_kernel(bias, mask, q, v)
+  unsupported = _not_on_kernel(q, v)
   cfg = core.Config(scale=scale, softcap=softcap, window_left=wl,
                     window_right=wr, deterministic=deterministic,
                     kernel=_use_kernel(q, implementation, unsupported),
@@ -233,7 +230,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   reference), ``"fa3"``, ``"reference"``, or ``"xla"``/``"cudnn"`` (delegated
   to ``jax.nn.dot_product_attention``).  ``mask`` (bool, broadcastable to
   ``[B, N, T, S]``) runs on the kernels, which skip the blocks it hides
-  entirely; ``bias`` (with or without a mask) uses the blockwise reference.
+  entirely; so does ``bias`` (broadcastable to ``[B, N, T, S]``, added to the
+  scores in the inputs' dtype, as jax.nn does), forward and backward, its
+  gradient included where it is differentiated.
   ``return_residual=True``
   returns ``(out, lse)`` with ``lse`` shaped ``[B, T, N]`` (``[T, N]`` for 3-D
   inputs) in ``key.dtype`` and without gradient, like jax.nn.  Rows with no
@@ -305,8 +304,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None,
 
   Inputs are ``[batch..., length, heads, features]`` (any number of leading
   batch dims, including none).  ``mask`` (True = attend) and ``bias`` follow
-  flax semantics; a mask runs on the kernels, a bias on the reference path
-  (as :func:`dot_product_attention`); ``is_causal`` (nnx) is folded
+  flax semantics; both run on the kernels (as in
+  :func:`dot_product_attention`); ``is_causal`` (nnx) is folded
   into the kernel's window.  ``dtype`` casts q/k/v (otherwise they are promoted
   to a common dtype); ``precision`` is ignored (the softmax is always fp32).
   Dropout is not supported (``dropout_rate > 0`` with ``deterministic=False``

@@ -1,12 +1,14 @@
 """The attention core: the one ``custom_vjp`` every entry point goes through.
 
 :class:`Config` (static, hashable) says what runs: the 16-bit kernels
-(partitioned calls of :mod:`jax_fa3.sharding`) or the blockwise reference
-(the only path for ``bias``); optionally FP8 for the forward, or
-a ring over a ``shard_map`` axis (:mod:`jax_fa3.ring`).
+(partitioned calls of :mod:`jax_fa3.sharding`) or the blockwise reference;
+optionally FP8 for the forward, or a ring over a ``shard_map`` axis
+(:mod:`jax_fa3.ring`).
 The backward is always the 16-bit one: for FP8 it is straight-through,
 evaluated at the unquantized inputs (the 16-bit forward is recomputed there
-for its ``out`` / ``lse``).
+for its ``out`` / ``lse``).  The ``custom_vjp`` sees which inputs are
+differentiated (symbolic zeros), so the kernels write a bias gradient only
+where one is asked for.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_fa3 import fp8, primitives, reference, ring, pair_rule, sharding
 
@@ -72,9 +75,10 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
   (packed sequences: query ``i`` sees key ``j`` only where the ids are
   equal); not with ring attention.  The kernels get them, or a ``mask``
   without ``bias``, as the pair-rule operands of :mod:`jax_fa3.pair_rule`
-  (with their spans), computed once here and kept for the backward.
+  (with their spans), computed once here and kept for the backward; a
+  ``mask`` together with a ``bias`` too.
   ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
-  gradient (reference path), the lengths, ``mask`` and segment ids do not."""
+  gradient, the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
   S = k.shape[1]
   if q_lens is None:
@@ -87,10 +91,18 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
       raise ValueError("segment ids are not supported by ring attention")
     if cfg.kernel or (cfg.fp8 is not None and cfg.fp8.kernel):
       pairs = pair_rule.from_segment_ids(*segment_ids)
-  elif mask is not None and bias is None and cfg.kernel and cfg.fp8 is None:
+  elif mask is not None and cfg.kernel and cfg.fp8 is None:
     if cfg.ring is not None:
       raise ValueError("masks are not supported by ring attention")
     pairs, mask = pair_rule.from_mask(mask, k.shape[2], T, S), None
+  if (bias is not None and bias.shape[3] == 1 and sinks is None
+      and cfg.kernel and cfg.fp8 is None and cfg.ring is None):
+    # A bias constant along the keys shifts a row's scores alike: the
+    # softmax drops it (its gradient is 0), only the log-sum-exp keeps it.
+    out, lse = _attention(q, k, v, q_lens, kv_lens, None, mask, pairs, sinks,
+                          cfg)
+    shift = jnp.broadcast_to(bias[..., 0], lse.shape).astype(lse.dtype)
+    return out, lse + jax.lax.stop_gradient(shift)
   return _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg)
 
 
@@ -128,8 +140,8 @@ def _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
     # The primitives' abstract eval drops shard_map's varying-axes type;
     # restore it so check_vma=True accepts results and cotangent types.
     return reference.varying_like(sharding.fa3_fwd(
-        q, k, v, q_lens, kv_lens, pairs=pairs, sinks=sinks, **cfg.attrs),
-        q, k, v, q_lens, kv_lens)
+        q, k, v, q_lens, kv_lens, pairs=pairs, sinks=sinks,
+        bias=_kernel_bias(bias, q, k), **cfg.attrs), q, k, v, q_lens, kv_lens)
   return reference.fold_sinks(*reference.attention_fwd(
       q, k, v, q_lens, kv_lens, bias=bias, mask=mask, block_k=cfg.block_k,
       **_seg_kwargs(pairs), **cfg.attrs), sinks)
@@ -157,6 +169,30 @@ def _dsinks(out, lse, dout, sinks):
   return reference.summed_like(d, sinks)
 
 
+def _kernel_bias(bias, q, k):
+  """The kernels' bias operand: ``[B|1, N|1, T, S]`` in q's dtype (as jax.nn
+  adds it to the scores), or None."""
+  if bias is None:
+    return None
+  T, S = q.shape[1], k.shape[1]
+  return jnp.broadcast_to(bias, bias.shape[:2] + (T, S)).astype(q.dtype)
+
+
+def _dbias_dtype(bias, q, k):
+  """The kernels' bias gradient type: q's, or float32 where it is summed
+  over broadcast dims next (the sum cancels: bf16 terms lost too much)."""
+  B, T, N, _ = q.shape
+  return q.dtype if bias.shape == (B, N, T, k.shape[1]) else jnp.float32
+
+
+def _reduced_dbias(dbias, bias):
+  """The kernels' per batch row and head gradient -> ``bias``'s shape."""
+  axes = tuple(a for a in range(4) if bias.shape[a] == 1 and dbias.shape[a] > 1)
+  if axes:
+    dbias = jnp.sum(dbias.astype(jnp.float32), axis=axes, keepdims=True)
+  return dbias.astype(bias.dtype)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(9,))
 def _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
   if cfg.fp8 is not None:
@@ -165,17 +201,26 @@ def _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
   return _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg)
 
 
-def _vjp_fwd(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
-  out, lse = _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs,
-                        sinks, cfg)
+def _vjp_fwd(*args):
+  # Symbolic zeros: the last residual is None unless the bias is
+  # differentiated (a static marker: the residuals' tree structure).
+  *primals, cfg = args
+  bias = primals[5]
+  bias_grad = bias is not None and bias.perturbed
+  primals = custom_vjp_primal_tree_values(tuple(primals))
+  q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks = primals
+  out, lse = _attention(*primals, cfg)
   saved = (None, None) if cfg.fp8 is not None else (out, lse)
-  return (out, lse), (q, k, v, q_lens, kv_lens, bias, mask,
-                      pairs, sinks) + saved
+  marker = jnp.zeros((0,), jnp.float32) if bias_grad else None
+  return (out, lse), tuple(primals) + saved + (marker,)
 
 
 def _vjp_bwd(cfg, res, cts):
-  q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, out, lse = res
+  q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, out, lse, marker = res
   dout, _ = cts
+  if isinstance(dout, SymbolicZero):
+    dout = jnp.zeros(dout.aval.shape, dout.aval.dtype)
+  bias_grad = marker is not None
   if cfg.fp8 is not None:
     out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs,
                           sinks, cfg)
@@ -184,12 +229,16 @@ def _vjp_bwd(cfg, res, cts):
                                *_ring_args(cfg))
     dbias = None
   elif cfg.kernel:
-    grads = sharding.fa3_bwd(q, k, v, out, lse, dout.astype(out.dtype),
-                             q_lens, kv_lens, deterministic=cfg.deterministic,
-                             pairs=pairs, **cfg.attrs)
+    *grads, dbias = sharding.fa3_bwd(
+        q, k, v, out, lse, dout.astype(out.dtype), q_lens, kv_lens,
+        deterministic=cfg.deterministic, pairs=pairs,
+        bias=_kernel_bias(bias, q, k),
+        dbias_dtype=_dbias_dtype(bias, q, k) if bias_grad else None,
+        **cfg.attrs)
     dq, dk, dv = (reference.varying_like(g, x)
                   for g, x in zip(grads, (q, k, v)))
-    dbias = None
+    if dbias is not None:
+      dbias = _reduced_dbias(dbias, bias)
   else:
     dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
         q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
@@ -199,4 +248,4 @@ def _vjp_bwd(cfg, res, cts):
   return dq, dk, dv, None, None, dbias, None, dseg, dsinks
 
 
-_attention.defvjp(_vjp_fwd, _vjp_bwd)
+_attention.defvjp(_vjp_fwd, _vjp_bwd, symbolic_zeros=True)

@@ -17,9 +17,12 @@ On every other platform they lower to pure JAX (:mod:`jax_fa3.reference`;
 the FP8 pair to the emulation that :mod:`jax_fa3.fp8` registers), so the
 whole primitive path runs, and is tested, on CPU.  The attention primitives
 take the four pair-rule operands of :mod:`jax_fa3.pair_rule` (segment ids or
-a mask) after the lengths (empty arrays when there are none).  Static parameters are
-Python numbers in the primitive params and become ``np.float32`` /
-``np.int32`` FFI attributes at lowering time.
+a mask) after the lengths, then an additive bias ``[B|1, N|1, T, S]`` in q's
+dtype (empty arrays when there are none); the backward returns the bias
+gradient per batch row and head, ``[B, N, T, S]`` in ``dbias_dtype`` (q's
+dtype or float32) where that is not None.  Static parameters are Python
+numbers in the primitive params and become ``np.float32`` / ``np.int32`` FFI
+attributes at lowering time.
 
 Users do not bind these directly: :mod:`jax_fa3.sharding` wraps each one with
 its partitioning rule, and :mod:`jax_fa3.core` holds the ``custom_vjp``.
@@ -39,7 +42,8 @@ from jax.interpreters import batching, mlir
 from jax_fa3 import _native, reference, pair_rule
 
 __all__ = ["fa3_fwd_p", "fa3_bwd_p", "fp8_quantize_p", "fp8_fwd_p",
-           "kvcache_fwd_p", "fa3_fwd", "fa3_bwd", "no_sinks", "fp8_quantize",
+           "kvcache_fwd_p", "fa3_fwd", "fa3_bwd", "no_sinks", "no_bias",
+           "has_bias", "fp8_quantize",
            "fp8_fwd", "kvcache_fwd", "fold_vmap",
            "bwd_kernel_available", "FWD_TARGET", "BWD_TARGET",
            "FP8_QUANT_TARGET", "FP8_FWD_TARGET", "KVCACHE_TARGET"]
@@ -79,28 +83,49 @@ def no_sinks():
   return jnp.zeros((0,), _F32)
 
 
+def no_bias(q):
+  """The bias operand of a call without a bias (an empty array)."""
+  return jnp.zeros((q.shape[0], 0), q.dtype)
+
+
+def _bias(bias, q):
+  return no_bias(q) if bias is None else bias
+
+
+def has_bias(bias) -> bool:
+  """Whether a bias operand (array or shape) carries a bias."""
+  return len(bias.shape) == 4
+
+
 def fa3_fwd(q, k, v, q_lens, kv_lens, pairs=None, *, scale, softcap=0.0,
-            window_left=-1, window_right=-1, sinks=None):
+            window_left=-1, window_right=-1, sinks=None, bias=None):
   """``(out [B,T,N,H] q.dtype, lse f32 [B,N,T])``; ``pairs``: the segment
   operands (:func:`jax_fa3.pair_rule.from_segment_ids`) or None; ``sinks``:
   float32 ``[N]`` joining every row's softmax (:func:`reference.fold_sinks`)
-  or None."""
+  or None; ``bias``: ``[B|1, N|1, T, S]`` in q's dtype, or None."""
   return tuple(fa3_fwd_p.bind(
-      q, k, v, q_lens, kv_lens, *_segs(pairs, q.shape[0]),
+      q, k, v, q_lens, kv_lens, *_segs(pairs, q.shape[0]), _bias(bias, q),
       no_sinks() if sinks is None else sinks, scale=float(scale),
       softcap=float(softcap),
       window_left=int(window_left), window_right=int(window_right)))
 
 
 def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, pairs=None, *, scale,
-            softcap=0.0, window_left=-1, window_right=-1, deterministic=False):
-  """``(dq, dk, dv)``; ``deterministic`` fixes the kernel's dQ summation
-  order (bit-identical gradients run to run)."""
-  return tuple(fa3_bwd_p.bind(
+            softcap=0.0, window_left=-1, window_right=-1, deterministic=False,
+            bias=None, dbias_dtype=None):
+  """``(dq, dk, dv)``, and with a ``bias`` operand (an array, possibly
+  :func:`no_bias`) a fourth result: the bias gradient ``[B, N, T, S]`` (per
+  batch row and head; the caller sums over broadcast dims) in
+  ``dbias_dtype``, or ``[B, 0]`` where that is None.  ``deterministic`` fixes the kernel's dQ
+  summation order (bit-identical gradients run to run)."""
+  res = tuple(fa3_bwd_p.bind(
       q, k, v, out, lse, dout, q_lens, kv_lens, *_segs(pairs, q.shape[0]),
-      scale=float(scale),
+      _bias(bias, q), scale=float(scale),
       softcap=float(softcap), window_left=int(window_left),
-      window_right=int(window_right), deterministic=bool(deterministic)))
+      window_right=int(window_right), deterministic=bool(deterministic),
+      dbias_dtype=(None if dbias_dtype is None or bias is None
+                   or not has_bias(bias) else np.dtype(dbias_dtype))))
+  return res if bias is not None else res[:3]
 
 
 def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
@@ -155,9 +180,23 @@ def _fwd_shapes(q, k, v, q_lens, kv_lens, *_segs, **_):
   return (_sds((b, t, n, v.shape[-1]), q.dtype), _sds((b, n, t), _F32))
 
 
-def _bwd_shapes(q, k, v, *_, **__):
+def _dbias_shape(q, bias, dbias_dtype):
+  """[B, N, T, S] (S: the bias's) in ``dbias_dtype``, or [B, 0] where that
+  is None (no bias gradient asked for)."""
+  B, T, N, _ = q.shape
+  if dbias_dtype is None:
+    return _sds((B, 0), bias.dtype)
+  return _sds((B, N, T, bias.shape[-1]), dbias_dtype)
+
+
+def _grad_shapes(q, k, v):
   return (_sds(q.shape, q.dtype), _sds(k.shape, k.dtype),
           _sds(v.shape, v.dtype))
+
+
+def _bwd_shapes(q, k, v, *operands, dbias_dtype, **_):
+  """dq, dk, dv and the bias gradient (the last operand is the bias)."""
+  return _grad_shapes(q, k, v) + (_dbias_shape(q, operands[-1], dbias_dtype),)
 
 
 def _quantize_shapes(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,
@@ -199,13 +238,11 @@ kvcache_fwd_p.def_abstract_eval(_abstract(_kvcache_shapes))
 
 
 # ------------------------------------------------------------------ lowering
-def _ffi(target, shapes_fn, attrs_fn, n_results=None):
-  """CUDA lowering: the FFI call; ``n_results`` drops trailing scratch
-  outputs that XLA allocates for the kernel."""
+def _ffi(target, shapes_fn, attrs_fn):
+  """CUDA lowering: the FFI call."""
   def call(*args, **params):
     shapes = shapes_fn(*args, **params)
-    res = jax.ffi.ffi_call(target, shapes)(*args, **attrs_fn(**params))
-    return res[:n_results] if n_results else res
+    return jax.ffi.ffi_call(target, shapes)(*args, **attrs_fn(**params))
   return mlir.lower_fun(call, multiple_results=True)
 
 
@@ -231,20 +268,22 @@ def bwd_split_scratch_floats(B, S, K, H) -> int:
   return BWD_MAX_SPLIT + slots * 2 * 128 * H
 
 
-def _bwd_kernel_shapes(q, k, v, out, lse, dout, q_lens, kv_lens, *_segs, **_):
-  """dq, dk, dv (dv [B,S,K,Hv] from v, the rest q/k's head dim H), then the
-  fp32/int32 scratch: dQ accumulator, delta, base-2 LSE, semaphores, split
-  key blocks' sums."""
+def _bwd_kernel_shapes(q, k, v, out, lse, dout, q_lens, kv_lens, *segs_bias,
+                       dbias_dtype, **_):
+  """dq, dk, dv (dv [B,S,K,Hv] from v, the rest q/k's head dim H), the bias
+  gradient, then the fp32/int32 scratch: dQ accumulator, delta, base-2 LSE,
+  semaphores, split key blocks' sums."""
   B, T, N, H = q.shape
   t_pad = -(-T // BWD_ROW_PAD) * BWD_ROW_PAD
-  return _bwd_shapes(q, k, v) + (
+  return _bwd_shapes(q, k, v, *segs_bias, dbias_dtype=dbias_dtype) + (
       _sds((B, N, t_pad, H), _F32), _sds((B, N, t_pad), _F32),
       _sds((B, N, t_pad), _F32),
       _sds((B, N, t_pad // BWD_SEM_BLOCK), jnp.int32),
       _sds((bwd_split_scratch_floats(B, k.shape[1], k.shape[2], H),), _F32))
 
 
-def _bwd_kernel_attrs(deterministic, **attrs):
+def _bwd_kernel_attrs(deterministic, dbias_dtype, **attrs):
+  del dbias_dtype  # the dbias result's type carries it
   return dict(_fwd_attrs(**attrs), deterministic=np.int32(deterministic))
 
 
@@ -281,21 +320,59 @@ def _rule_kwargs(pairs, q, k):
   return pair_rule.reference_kwargs(pairs, q.shape[1], k.shape[1])
 
 
-def _reference_fwd(q, k, v, q_lens, kv_lens, *pairs_sinks, **attrs):
-  *pairs, sinks = pairs_sinks
-  res = reference.attention_fwd(q, k, v, q_lens, kv_lens,
-                                **_rule_kwargs(pairs, q, k), **attrs)
+def _reference_fwd(q, k, v, q_lens, kv_lens, *pairs_bias_sinks, **attrs):
+  *pairs, bias, sinks = pairs_bias_sinks
+  kw = _rule_kwargs(pairs, q, k)
+  if has_bias(bias):
+    kw["bias"] = bias
+  res = reference.attention_fwd(q, k, v, q_lens, kv_lens, **kw, **attrs)
   return reference.fold_sinks(*res, sinks)
 
 
-def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs,
-                   deterministic, **attrs):
+def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs_bias,
+                   deterministic, dbias_dtype, **attrs):
   del deterministic  # the reference's summation order is fixed
-  return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                                 **_rule_kwargs(pairs, q, k), **attrs)
+  *pairs, bias = pairs_bias
+  kw = _rule_kwargs(pairs, q, k)
+  none = jnp.zeros(_dbias_shape(q, bias, None).shape, bias.dtype)
+  if not has_bias(bias):
+    return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
+                                   **kw, **attrs) + (none,)
+  B, T, N, _ = q.shape
+  # Per batch row and head, as the kernel writes it.
+  full = jnp.broadcast_to(bias, (B, N, T, k.shape[1]))
+  dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
+      q, k, v, out, lse, dout, q_lens, kv_lens, bias=full, **kw, **attrs)
+  return dq, dk, dv, none if dbias_dtype is None else dbias.astype(dbias_dtype)
 
 
-_bwd_kernel = _ffi(BWD_TARGET, _bwd_kernel_shapes, _bwd_kernel_attrs, 3)
+def _pad_bias(bias):
+  """The kernels read the bias in column pairs: S rounded up to even."""
+  if not has_bias(bias) or bias.shape[-1] % 2 == 0:
+    return bias
+  return jnp.pad(bias, [(0, 0)] * 3 + [(0, 1)])
+
+
+def _fwd_kernel_call(*args, **params):
+  *head, bias, sinks = args
+  args = (*head, _pad_bias(bias), sinks)
+  return jax.ffi.ffi_call(FWD_TARGET, _fwd_shapes(*args))(
+      *args, **_fwd_attrs(**params))
+
+
+def _bwd_kernel_call(*args, **params):
+  """The FFI results less the scratch, the bias gradient cut to S."""
+  *head, bias = args
+  args = (*head, _pad_bias(bias))
+  res = jax.ffi.ffi_call(BWD_TARGET, _bwd_kernel_shapes(*args, **params))(
+      *args, **_bwd_kernel_attrs(**params))
+  dq, dk, dv, dbias = res[:4]
+  if params["dbias_dtype"] is not None:
+    dbias = dbias[..., :bias.shape[-1]]
+  return dq, dk, dv, dbias
+
+
+_bwd_kernel = mlir.lower_fun(_bwd_kernel_call, multiple_results=True)
 _bwd_reference = mlir.lower_fun(_reference_bwd, multiple_results=True)
 
 
@@ -325,7 +402,8 @@ mlir.register_lowering(kvcache_fwd_p, _kvcache_cuda, platform="cuda")
 mlir.register_lowering(fa3_fwd_p, mlir.lower_fun(_reference_fwd,
                                                  multiple_results=True))
 mlir.register_lowering(fa3_bwd_p, _bwd_reference)
-mlir.register_lowering(fa3_fwd_p, _ffi(FWD_TARGET, _fwd_shapes, _fwd_attrs),
+mlir.register_lowering(fa3_fwd_p, mlir.lower_fun(_fwd_kernel_call,
+                                                 multiple_results=True),
                        platform="cuda")
 mlir.register_lowering(fa3_bwd_p, _bwd_cuda, platform="cuda")
 mlir.register_lowering(
@@ -346,6 +424,12 @@ def fold_vmap(fn, axis_size, args, batched, n_per_batch=None):
   n = len(args) if n_per_batch is None else n_per_batch
   bcast = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
            for a, b in zip(args, batched)]
+  # An operand that broadcasts over the batch (a bias or mask [1, ...])
+  # takes the batch first: folded, its 1 would not match the new batch.
+  batch = bcast[0].shape[1]
+  bcast = [jnp.broadcast_to(a, a.shape[:1] + (batch,) + a.shape[2:])
+           if i < n and a.ndim > 1 and a.shape[1] == 1 < batch else a
+           for i, a in enumerate(bcast)]
   if any(batched[n:]):
     return lax.map(lambda xs: tuple(fn(*xs)), tuple(bcast))
   folded = [a.reshape((axis_size * a.shape[1],) + a.shape[2:])
@@ -365,7 +449,7 @@ def _batch_rule(prim, n_per_batch=None):
   return rule
 
 
-batching.primitive_batchers[fa3_fwd_p] = _batch_rule(fa3_fwd_p, 9)  # sinks shared
+batching.primitive_batchers[fa3_fwd_p] = _batch_rule(fa3_fwd_p, 10)  # sinks shared
 batching.primitive_batchers[fa3_bwd_p] = _batch_rule(fa3_bwd_p)
 batching.primitive_batchers[fp8_quantize_p] = _batch_rule(fp8_quantize_p, 3)
 batching.primitive_batchers[fp8_fwd_p] = _batch_rule(fp8_fwd_p)

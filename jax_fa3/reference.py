@@ -9,12 +9,12 @@ CUDA kernels, so it implements *exactly* the kernel semantics:
   ``[B,T,K,G,H]`` view of ``q`` -- K/V are never repeated).
 * Query row ``i`` of batch ``b`` attends key ``j`` iff ``i < q_lens[b]`` and
   ``j < kv_lens[b]`` and (``window_left < 0`` or ``j >= i - window_left``) and
-  (``window_right < 0`` or ``j <= i + window_right``) (and, reference only,
-  ``mask[b, n, i, j]``) (and, reference only, ``q_seg[b, i] == kv_seg[b, j]``
-  for segment ids of packed sequences).  Causal is ``window_right = 0``
-  (top-left aligned).
+  (``window_right < 0`` or ``j <= i + window_right``) (and
+  ``mask[b, n, i, j]``) (and ``q_seg[b, i] == kv_seg[b, j]`` for segment
+  ids of packed sequences).  Causal is ``window_right = 0`` (top-left
+  aligned).
 * Scores ``s = scale * q.k``; with ``softcap = c > 0``: ``s = c * tanh(s / c)``;
-  then (reference only) ``s += bias``; then masking.
+  then ``s += bias``; then masking.
 * A row with no visible key outputs 0 and its log-sum-exp is ``+inf``.
   (``jax.nn.dot_product_attention`` returns the mean of V for a fully masked
   row that is not a padded query row; this library returns 0.)

@@ -25,8 +25,10 @@ What is served locally:
   position-free or causal (no local window), ring attention runs inside the
   partition (:mod:`jax_fa3.ring`, contiguous layout: K/V rotate with
   ``ppermute``); otherwise, and always for FP8 (its scales are per block of
-  the whole sequence) and with segment ids (their spans index the whole
-  sequence), the sequence is replicated (gathered);
+  the whole sequence), with a pair rule (its spans index the whole
+  sequence) and with a bias, the sequence is replicated (gathered);
+* a bias ``[B|1, N|1, T, S]`` follows the batch and heads it has; its
+  gradient is per batch row and head, sharded like q;
 * head_dim: always replicated.
 """
 from __future__ import annotations
@@ -48,11 +50,13 @@ __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd",
 
 # Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
 # SEG: the four pair-rule operands (_pair_rule_factors); SNK: the sinks [N]
-# follow the query heads, or their own factor o when absent ([0]); v: the
-# value head dim (V, O, dO), which may differ from Q/K's h.
-_FWD_RULE = "b t Q h, b s k h, b s k v, b, b, SEG, SNK -> b t Q v, b Q t"
-_BWD_RULE = ("b t Q h, b s k h, b s k v, b t Q v, b Q t, b t Q v, b, b, SEG "
-             "-> b t Q h, b s k h, b s k v")
+# follow the query heads, or their own factor o when absent ([0]); BIAS /
+# DBIAS: the bias [B|1, N|1, T, S] (r, q where it broadcasts) and its
+# gradient [B, N, T, S], or [B, 0] (factor o) when absent; v: the value head
+# dim (V, O, dO), which may differ from Q/K's h.
+_FWD_RULE = "b t Q h, b s k h, b s k v, b, b, SEG, BIAS, SNK -> b t Q v, b Q t"
+_BWD_RULE = ("b t Q h, b s k h, b s k v, b t Q v, b Q t, b t Q v, b, b, SEG, "
+             "BIAS -> b t Q h, b s k h, b s k v, DBIAS")
 _QUANT_RULE = ("b t Q h, b s k h, b s k h, h, f -> b t Q h, b s k h, V, "
                "b Q x, b k y, b k y")
 _FP8_FWD_RULE = "b t Q h, b s k h, V, b Q x, b k y, b k y, b, b, SEG -> b t Q h, b Q t"
@@ -82,14 +86,29 @@ def _pair_rule_factors(ops, first):
   return f"{bf} {nf} i p a, {bf} {nf} j p m, {bf} {nf} u c, {bf} {kf} w c"
 
 
-def _rule(template, operand_types, replicated, v_transposed=False):
+def _bias_factors(ops, i):
+  """Factors of the bias operand ops[i]: batch and heads where it has them."""
+  a = ops[i]
+  if not primitives.has_bias(a):
+    return "b o"
+  B, N = ops[0].shape[0], ops[0].shape[2]
+  return ("b" if a.shape[0] == B else "r") + " " + (
+      "Q" if a.shape[1] == N else "q") + " t s"
+
+
+def _rule(template, operand_types, replicated, v_transposed=False,
+          bias_grad=False):
   """Query heads Q = (k g): kv heads major, GQA group minor.  Shardy rejects
   size-1 parts of a compound factor, so MQA (K = 1) and plain MHA (G = 1)
   spell Q as one factor."""
   n, kh = operand_types[0].shape[2], operand_types[1].shape[2]
-  if "SEG" in template:
+  if "SEG" in template:  # first: the operands before it count one comma each
     first = template.split("SEG")[0].count(",")
     template = template.replace("SEG", _pair_rule_factors(operand_types, first))
+  if "BIAS" in template:
+    first = template.split("BIAS")[0].count(",")
+    template = template.replace("DBIAS", "b Q t s" if bias_grad else "b o")
+    template = template.replace("BIAS", _bias_factors(operand_types, first))
   if "SNK" in template:
     template = template.replace(
         "SNK", "Q" if operand_types[-1].shape[0] else "o")
@@ -137,6 +156,7 @@ class Plan:
                window_right, ring=True):
     B, T, N, _ = q_shape
     S, K = kv_shape[1], kv_shape[2]
+    self.batch, self.heads = B, N
     if mesh.empty:
       # No mesh known (shardings without axis names): replicate everything
       # over the devices the call runs on.
@@ -201,6 +221,19 @@ class Plan:
     bits = self.ns(mb, mn, None, None, None)
     return (bits, bits, self.ns(mb, mn, None, None), self.ns(mb, mk, None, None))
 
+  def bias(self, shape):
+    """A bias follows the batch and heads it has; an empty one the batch."""
+    b = _entry(self.b)
+    if not primitives.has_bias(shape):
+      return self.ns(b, None)
+    return self.ns(b if shape.shape[0] == self.batch else None,
+                   _entry(self.n) if shape.shape[1] == self.heads else None,
+                   None, None)
+
+  def dbias(self, bias_grad):
+    return (self.ns(_entry(self.b), _entry(self.n), None, None) if bias_grad
+            else self.ns(_entry(self.b), None))
+
   def sinks(self, shape):
     """The sinks [N] follow the query heads; an empty one is replicated."""
     return self.ns(_entry(self.n)) if shape.shape[0] else self.ns()
@@ -225,47 +258,51 @@ def _plan(arg_shapes, mesh, window_left=-1, window_right=-1, ring=True):
 
 
 def _may_ring(arg_shapes, first_seg):
-  """A sharded sequence rings only without a pair rule."""
-  return not pair_rule.present(arg_shapes[first_seg:first_seg + 4])
+  """A sharded sequence rings only without a pair rule or bias (the
+  operand after the pair rule's four)."""
+  return not (pair_rule.present(arg_shapes[first_seg:first_seg + 4])
+              or primitives.has_bias(arg_shapes[first_seg + 4]))
 
 
 # ------------------------------------------------------------ 16-bit calls
 def _fwd_local(plan, scale, softcap, window_left, window_right):
-  def lower(q, k, v, q_lens, kv_lens, *pairs_sinks):
-    *pairs, sinks = pairs_sinks
-    if plan.p > 1:  # no segment ids (_may_ring); the sinks join once, after the ring
+  def lower(q, k, v, q_lens, kv_lens, *pairs_bias_sinks):
+    *pairs, bias, sinks = pairs_bias_sinks
+    if plan.p > 1:  # no pair rule or bias (_may_ring); the sinks join once, after the ring
       return reference.fold_sinks(*ring.ring_fwd(
           q, k, v, q_lens, kv_lens, plan.axis, plan.p, "contiguous",
           window_right == 0, dict(scale=scale, softcap=softcap),
           (primitives.fa3_fwd, primitives.fa3_bwd)), sinks)
     return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, pairs, scale=scale,
                               softcap=softcap, window_left=window_left,
-                              window_right=window_right, sinks=sinks)
+                              window_right=window_right, sinks=sinks,
+                              bias=bias)
   return lower
 
 
 def _bwd_local(plan, scale, softcap, window_left, window_right,
-               deterministic):
+               deterministic, dbias_dtype):
   bwd = partial(primitives.fa3_bwd, deterministic=deterministic)
 
-  def lower(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs):
-    if plan.p > 1:  # no segment ids (_may_ring)
+  def lower(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs_bias):
+    *pairs, bias = pairs_bias
+    if plan.p > 1:  # no pair rule or bias (_may_ring)
       return ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                            plan.axis, plan.p, "contiguous", window_right == 0,
                            dict(scale=scale, softcap=softcap),
-                           (primitives.fa3_fwd, bwd))
+                           (primitives.fa3_fwd, bwd)) + (bias,)  # bias: empty
     return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, pairs, scale=scale,
                softcap=softcap, window_left=window_left,
-               window_right=window_right)
+               window_right=window_right, bias=bias, dbias_dtype=dbias_dtype)
   return lower
 
 
 def _fwd_impl(q, k, v, q_lens, kv_lens, q_ids, kv_ids, q_spans, kv_spans,
-              sinks, scale, softcap, window_left, window_right):
+              bias, sinks, scale, softcap, window_left, window_right):
   return primitives.fa3_fwd(q, k, v, q_lens, kv_lens,
                             (q_ids, kv_ids, q_spans, kv_spans), scale=scale,
                             softcap=softcap, window_left=window_left,
-                            window_right=window_right, sinks=sinks)
+                            window_right=window_right, sinks=sinks, bias=bias)
 
 
 def _fwd_partition(scale, softcap, window_left, window_right, mesh,
@@ -276,28 +313,29 @@ def _fwd_partition(scale, softcap, window_left, window_right, mesh,
                                 window_right),
           (plan.q, plan.lse),
           (plan.q, plan.kv, plan.kv, plan.lens, plan.lens) + plan.pairs(arg_shapes, 5)
-          + (plan.sinks(arg_shapes[9]),))
+          + (plan.bias(arg_shapes[9]), plan.sinks(arg_shapes[10])))
 
 
 def _bwd_impl(q, k, v, out, lse, dout, q_lens, kv_lens, q_ids, kv_ids,
-              q_spans, kv_spans, scale, softcap, window_left, window_right,
-              deterministic):
+              q_spans, kv_spans, bias, scale, softcap, window_left,
+              window_right, deterministic, dbias_dtype):
   return primitives.fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                             (q_ids, kv_ids, q_spans, kv_spans), scale=scale, softcap=softcap,
                             window_left=window_left,
                             window_right=window_right,
-                            deterministic=deterministic)
+                            deterministic=deterministic, bias=bias,
+                            dbias_dtype=dbias_dtype)
 
 
 def _bwd_partition(scale, softcap, window_left, window_right, deterministic,
-                   mesh, arg_shapes, result_shape):
+                   dbias_dtype, mesh, arg_shapes, result_shape):
   plan = _plan(arg_shapes, mesh, window_left, window_right,
                _may_ring(arg_shapes, 8))
   return (plan.mesh, _bwd_local(plan, scale, softcap, window_left,
-                                window_right, deterministic),
-          (plan.q, plan.kv, plan.kv),
+                                window_right, deterministic, dbias_dtype),
+          (plan.q, plan.kv, plan.kv, plan.dbias(dbias_dtype is not None)),
           (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q, plan.lens,
-           plan.lens) + plan.pairs(arg_shapes, 8))
+           plan.lens) + plan.pairs(arg_shapes, 8) + (plan.bias(arg_shapes[12]),))
 
 
 # --------------------------------------------------------------- FP8 calls
@@ -439,12 +477,13 @@ _fwd = _partitioned(
     lambda ops, *s: _rule(_FWD_RULE, ops, _SEQ_FREE),
     lambda shapes, scale, softcap, wl, wr: dict(
         window_left=wl, window_right=wr, ring=_may_ring(shapes, 5)),
-    n_per_batch=9)
+    n_per_batch=10)
 _bwd = _partitioned(
-    _bwd_impl, 5, _bwd_partition,
-    lambda plan, *s: (plan.q, plan.kv, plan.kv),
-    lambda ops, *s: _rule(_BWD_RULE, ops, _SEQ_FREE),
-    lambda shapes, scale, softcap, wl, wr, det: dict(
+    _bwd_impl, 6, _bwd_partition,
+    lambda plan, *s: (plan.q, plan.kv, plan.kv, plan.dbias(s[-1] is not None)),
+    lambda ops, *s: _rule(_BWD_RULE, ops, _SEQ_FREE,
+                          bias_grad=s[-1] is not None),
+    lambda shapes, scale, softcap, wl, wr, det, bg: dict(
         window_left=wl, window_right=wr, ring=_may_ring(shapes, 8)))
 _quant = _partitioned(
     _quant_impl, 4, _quant_partition,
@@ -480,23 +519,32 @@ def kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table, *,
 
 
 def fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,
-            window_right, pairs=None, sinks=None):
+            window_right, pairs=None, sinks=None, bias=None):
   """Partitioned :func:`primitives.fa3_fwd` -> ``(out, lse)``; ``pairs``:
   :func:`pair_rule.from_segment_ids` or None; ``sinks``: float32 ``[N]`` or
-  None."""
+  None; ``bias``: ``[B|1, N|1, T, S]`` in q's dtype, or None."""
   pairs = pair_rule.absent(q.shape[0]) if pairs is None else pairs
   sinks = primitives.no_sinks() if sinks is None else sinks
-  return _fwd(q, k, v, q_lens, kv_lens, *pairs, sinks, static=(
+  bias = primitives.no_bias(q) if bias is None else bias
+  return _fwd(q, k, v, q_lens, kv_lens, *pairs, bias, sinks, static=(
       float(scale), float(softcap), int(window_left), int(window_right)))
 
 
 def fa3_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, scale, softcap,
-            window_left, window_right, deterministic=False, pairs=None):
-  """Partitioned :func:`primitives.fa3_bwd` -> ``(dq, dk, dv)``."""
+            window_left, window_right, deterministic=False, pairs=None,
+            bias=None, dbias_dtype=None):
+  """Partitioned :func:`primitives.fa3_bwd` -> ``(dq, dk, dv, dbias)``;
+  ``dbias`` ``[B, N, T, S]`` in ``dbias_dtype`` where that is not None (and
+  a bias), else None."""
   pairs = pair_rule.absent(q.shape[0]) if pairs is None else pairs
-  return _bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs, static=(
-      float(scale), float(softcap), int(window_left), int(window_right),
-      bool(deterministic)))
+  dbias_dtype = (None if bias is None or dbias_dtype is None
+                 else np.dtype(dbias_dtype))
+  bias = primitives.no_bias(q) if bias is None else bias
+  dq, dk, dv, dbias = _bwd(
+      q, k, v, out, lse, dout, q_lens, kv_lens, *pairs, bias, static=(
+          float(scale), float(softcap), int(window_left), int(window_right),
+          bool(deterministic), dbias_dtype))
+  return dq, dk, dv, None if dbias_dtype is None else dbias
 
 
 def fp8_quantize(q, k, v, signs, fixed, *, block_q, block_kv, hadamard,

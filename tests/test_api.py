@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3 import _native
+from jax_fa3 import _native, core
 
 from fa3_testing import ATOL, RTOL, close as _close, nn_attention as _nn
 from fa3_testing import rand as _rand
@@ -419,16 +419,16 @@ def test_routing_with_kernels_binds_the_kernels(fake_kernels):
   ref = jax.jit(lambda q, k, v: jax_fa3.attention(
       q, k, v, is_causal=True, implementation="reference"))(q, k, v)
   _close(fa3, ref, rtol=1e-2, atol=1e-2)
-  # a boolean mask runs on the kernels; f32 and bias route to the reference
+  # a boolean mask and a bias run on the kernels; f32 routes to the reference
   m = jnp.ones((1, 1, 9, 12), bool)
   assert _cuda_kernels(_grad(lambda q, k, v: jax_fa3.dot_product_attention(
       q, k, v, mask=m)), q, k, v) == {"jax_fa3_fwd", "jax_fa3_bwd"}
   assert _cuda_kernels(f, *(x.astype(jnp.float32) for x in (q, k, v))) == set()
   b = jnp.zeros((1, 1, 9, 12), jnp.float32)
+  assert _cuda_kernels(_grad(lambda q, k, v: jax_fa3.dot_product_attention(
+      q, k, v, bias=b)), q, k, v) == {"jax_fa3_fwd", "jax_fa3_bwd"}
   assert _cuda_kernels(lambda q, k, v: jax_fa3.dot_product_attention(
-      q, k, v, bias=b), q, k, v) == set()
-  assert _cuda_kernels(lambda q, k, v: jax_fa3.dot_product_attention(
-      q, k, v, bias=b, mask=m), q, k, v) == set()
+      q, k, v, bias=b, mask=m), q, k, v) == {"jax_fa3_fwd"}
   # implementation="reference" never binds a kernel
   assert _cuda_kernels(lambda q, k, v: jax_fa3.attention(
       q, k, v, implementation="reference"), q, k, v) == set()
@@ -441,3 +441,76 @@ def test_fa3_rejects_uncompiled_head_dim(fake_kernels):
   # implementation=None silently falls back to the reference
   assert _cuda_kernels(lambda q, k, v: jax_fa3.attention(q, k, v),
                        q, k, v) == set()
+
+
+def _ffi_lines(f, target, *args):
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return [l for l in text.splitlines() if f"custom_call @{target}(" in l]
+
+
+def test_cuda_lowering_of_a_bias(fake_kernels):
+  # The bias reaches the kernels in q's dtype, S padded to even (odd S: 11
+  # -> 12); its gradient is a kernel result only where it is differentiated,
+  # per batch row and head, in float32 where it is summed over broadcast
+  # dims next; a bias constant along the keys never reaches them (the
+  # softmax drops it: zero gradient).
+  q, k, v, _ = _rand(21, B=2, T=9, S=11, N=4, K=2, dtype=jnp.bfloat16)
+
+  def loss(b, argnums):
+    f = lambda q, k, v, b: jnp.sum(jax_fa3.dot_product_attention(  # noqa: E731
+        q, k, v, bias=b).astype(jnp.float32))
+    return jax.grad(f, argnums)
+
+  heads = jnp.ones((1, 4, 9, 11), jnp.float32)
+  fwd = _ffi_lines(loss(heads, 0), "jax_fa3_fwd", q, k, v, heads)
+  assert len(fwd) == 1 and "tensor<1x4x9x12xbf16>" in fwd[0].split("->")[0]
+  bwd = _ffi_lines(loss(heads, 0), "jax_fa3_bwd", q, k, v, heads)
+  assert len(bwd) == 1 and "tensor<2x0xbf16>" in bwd[0].split("->")[1]
+  bwd = _ffi_lines(loss(heads, 3), "jax_fa3_bwd", q, k, v, heads)
+  assert "tensor<2x4x9x12xf32>" in bwd[0].split("->")[1]  # summed over B next
+  full = jnp.ones((2, 4, 9, 11), jnp.bfloat16)
+  bwd = _ffi_lines(loss(full, 3), "jax_fa3_bwd", q, k, v, full)
+  assert "tensor<2x4x9x12xbf16>" in bwd[0].split("->")[1]
+  rows = jnp.ones((2, 1, 9, 1), jnp.float32)
+  fwd = _ffi_lines(loss(rows, (0, 3)), "jax_fa3_fwd", q, k, v, rows)
+  assert len(fwd) == 1 and "tensor<2x0xbf16>" in fwd[0]
+  g = jax.jit(loss(rows, (0, 3)))(q, k, v, rows)[1]
+  assert g.shape == rows.shape and not np.any(np.asarray(g))
+
+
+def test_bias_gradient_matches_jax_nn_off_gpu():
+  # The same contract off the GPU (the reference path): gradients of q and
+  # of biases of every broadcast shape match jax.nn in float32.
+  q, k, v, w = _rand(22, B=2, T=9, S=11, N=4, K=2)
+  for shape in [(1, 4, 9, 11), (2, 1, 9, 11), (4, 9, 11), (9, 11),
+                (1, 4, 1, 11), (2, 1, 9, 1)]:
+    b = jax.random.normal(jax.random.key(len(shape)), shape)
+
+    def loss(fn):
+      return lambda q, b: jnp.sum(fn(q, k, v, bias=b, is_causal=True) * w)
+    got = jax.grad(loss(jax_fa3.dot_product_attention), (0, 1))(q, b)
+    want = jax.grad(loss(jax.nn.dot_product_attention), (0, 1))(q, b)
+    for g, x in zip(got, want):
+      assert g.shape == x.shape
+      _close(g, x, rtol=1e-4, atol=1e-5)
+
+
+def test_vmap_of_a_broadcast_bias_and_mask():
+  # Under vmap a bias or mask that broadcasts over the batch ([1, ...])
+  # meets the folded batch of the kernel path: the same numbers as a loop.
+  q, k, v, _ = _rand(23, B=2, T=9, S=11, N=4, K=2)
+  qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
+  b = jax.random.normal(jax.random.key(5), (1, 4, 9, 11))
+  m = jax.random.uniform(jax.random.key(6), (1, 1, 9, 11)) < 0.8
+  cfg = core.Config(scale=0.3, softcap=0.0, window_left=-1, window_right=-1,
+                    kernel=True)
+  f = lambda q, k, v, b: core.attention(q, k, v, None, None, b, m, cfg)[0]  # noqa: E731
+  got = jax.vmap(f, (0, 0, 0, None))(qs, ks, vs, b)
+  for i in range(2):
+    _close(got[i], f(qs[i], ks[i], vs[i], b), rtol=1e-5, atol=1e-5)
+  gb = jax.vmap(jax.grad(lambda q, b: jnp.sum(f(q, k, v, b)), (0, 1)),
+                (0, None))(qs, b)
+  for i in range(2):
+    want = jax.grad(lambda q, b: jnp.sum(f(q, k, v, b)), (0, 1))(qs[i], b)
+    _close(gb[0][i], want[0], rtol=1e-4, atol=1e-5)
+    _close(gb[1][i], want[1], rtol=1e-4, atol=1e-5)

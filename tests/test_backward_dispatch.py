@@ -83,14 +83,15 @@ def test_cuda_lowering_value_head_dim(monkeypatch):
                       frozenset({("bfloat16", 192, 128)}))
   calls = _bwd_calls(_cuda_grad_module(jnp.bfloat16, 192, hdv=128))
   assert len(calls) == 1, calls
-  # v, out, dout and dv on Hv; dq, dk and the dQ accumulator on H; the
-  # split scratch as the handler sizes it (from H).
+  # v, out, dout and dv on Hv; dq, dk and the dQ accumulator on H; no bias
+  # gradient (an empty result); the split scratch as the handler sizes it
+  # (from H).
   split = P.bwd_split_scratch_floats(2, 80, 2, 192)
   assert ("(tensor<2x100x4x192xbf16>, tensor<2x80x2x192xbf16>, "
           "tensor<2x80x2x128xbf16>, tensor<2x100x4x128xbf16>, "
           "tensor<2x4x100xf32>, tensor<2x100x4x128xbf16>, ") in calls[0]
   assert ("-> (tensor<2x100x4x192xbf16>, tensor<2x80x2x192xbf16>, "
-          "tensor<2x80x2x128xbf16>, tensor<2x4x128x192xf32>, "
+          "tensor<2x80x2x128xbf16>, tensor<2x0xbf16>, tensor<2x4x128x192xf32>, "
           "tensor<2x4x128xf32>, tensor<2x4x128xf32>, tensor<2x4x2xi32>, "
           f"tensor<{split}xf32>)") in calls[0], calls[0]
 

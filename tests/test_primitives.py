@@ -132,12 +132,12 @@ def test_cuda_lowering_is_ffi_custom_call():
   c = calls[0]
   assert "scale = 3.000000e-01 : f32" in c and "softcap = 0.000000e+00 : f32" in c
   assert "window_left = 5 : i32" in c and "window_right = 0 : i32" in c
-  # operands q, k, v, q_lens, kv_lens, then the segment operands and the
-  # sinks (empty without them); results out (bf16) and lse (f32 B,N,T)
+  # operands q, k, v, q_lens, kv_lens, then the segment operands, the bias
+  # and the sinks (empty without them); results out (bf16) and lse (f32 B,N,T)
   assert re.search(r"\(tensor<2x9x4x8xbf16>, tensor<2x13x2x8xbf16>, "
                    r"tensor<2x13x2x8xbf16>, tensor<2xi32>, tensor<2xi32>, "
                    r"tensor<2x0xi32>, tensor<2x0xi32>, tensor<2x0x4xi32>, "
-                   r"tensor<2x0x4xi32>, tensor<0xf32>\) -> "
+                   r"tensor<2x0x4xi32>, tensor<2x0xbf16>, tensor<0xf32>\) -> "
                    r"\(tensor<2x9x4x8xbf16>, tensor<2x4x9xf32>\)", c), c
   # with segment ids: ids [B,T] / [B,S] and spans per 16 positions
   pairs = pair_rule.from_segment_ids(jnp.zeros((B, T), jnp.int32),
@@ -145,7 +145,8 @@ def test_cuda_lowering_is_ffi_custom_call():
   shlo = _cuda_hlo(lambda q, k, v, ql, kl, *sg: P.fa3_fwd(
       q, k, v, ql, kl, sg, scale=0.3), q, k, v, ql, kl, *pairs)
   assert re.search(r"tensor<2xi32>, tensor<2x9xi32>, tensor<2x13xi32>, "
-                   r"tensor<2x1x4xi32>, tensor<2x1x4xi32>, tensor<0xf32>\) -> ",
+                   r"tensor<2x1x4xi32>, tensor<2x1x4xi32>, tensor<2x0xbf16>, "
+                   r"tensor<0xf32>\) -> ",
                    shlo), shlo
   # sinks [N] reach the kernel (no fold after it)
   sinks = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32)

@@ -27,11 +27,11 @@ TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 def _kernel_attention(q, k, v, q_lens, kv_lens, scale, softcap, wl, wr,
-                      sinks=None):
+                      sinks=None, bias=None):
   """The kernel path of the core (on CPU its primitives lower to the
   reference), partitioned under a sharded jit."""
   cfg = core.Config(scale, softcap, wl, wr, kernel=True)
-  return core.attention(q, k, v, q_lens, kv_lens, None, None, cfg,
+  return core.attention(q, k, v, q_lens, kv_lens, bias, None, cfg,
                         sinks=sinks)
 
 
@@ -83,20 +83,26 @@ LAYOUTS = [
 
 
 def _run_layout(qs, kvs, K, S, causal, wl, softcap, seed=0, sinks=False,
-                hv=None):
+                hv=None, bias=None):
   mesh = _mesh((2, 2, 2), M3)
   q, k, v, w, ql, kl = _inputs(seed, K=K, S=S)
   if hv is not None:  # a value head dim unlike q's (v, out: their own factor)
     v, w = v[..., :hv], w[..., :hv]
   wr = 0 if causal else -1
   snk = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32) if sinks else None
-  # Differentiated inputs: q, k, v (and the sinks when given).
-  args = (q, k, v) + ((snk,) if sinks else ())
+  # Differentiated inputs: q, k, v (and the sinks or the bias when given).
+  extra = (snk,) if sinks else ()
+  if bias is not None:  # a bias shape with T and S filled in
+    shape = tuple(T if d == "T" else S if d == "S" else d for d in bias)
+    extra = (jax.random.normal(jax.random.key(seed + 7), shape),)
+  args = (q, k, v) + extra
   argnums = tuple(range(len(args)))
 
   def fwd(impl):
-    return lambda q, k, v, *s: impl(q, k, v, ql, kl, 0.35, softcap, wl, wr,
-                                    sinks=s[0] if s else None)
+    def f(q, k, v, *s):
+      kw = {"bias" if bias is not None else "sinks": s[0]} if s else {}
+      return impl(q, k, v, ql, kl, 0.35, softcap, wl, wr, **kw)
+    return f
 
   def loss(impl):
     return lambda *a: jnp.sum(fwd(impl)(*a)[0] * w)
@@ -106,7 +112,7 @@ def _run_layout(qs, kvs, K, S, causal, wl, softcap, seed=0, sinks=False,
     ref_g = jax.jit(jax.grad(loss(_kernel_attention), argnums=argnums))(*args)
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   qq, kk, vv = put(q, qs), put(k, kvs), put(v, kvs)
-  sharded = (qq, kk, vv) + ((put(snk, P()),) if sinks else ())
+  sharded = (qq, kk, vv) + tuple(put(x, P()) for x in extra)
   o, l = jax.jit(fwd(_kernel_attention))(*sharded)
   g = jax.jit(jax.grad(loss(_kernel_attention), argnums=argnums))(*sharded)
   np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), **TOL)
@@ -129,6 +135,20 @@ _SINK_LAYOUTS = [c for c in LAYOUTS if c[0] in (
 def test_partitioned_sinks_equal_unsharded(case):
   # The sinks follow the query heads; on a sequence ring they join once.
   _run_layout(*case[1:], sinks=True)
+
+
+_BIAS_LAYOUTS = [c for c in LAYOUTS if c[0] in (
+    "batch", "heads_gqa", "heads_mqa", "seq_ring_causal", "batch_seq_heads")]
+
+
+@pytest.mark.parametrize("bias", [(1, N, "T", "S"), (B, 1, "T", "S"),
+                                  (B, N, "T", "S")],
+                         ids=["heads", "batch", "full"])
+@pytest.mark.parametrize("case", _BIAS_LAYOUTS, ids=[c[0] for c in _BIAS_LAYOUTS])
+def test_partitioned_bias_equals_unsharded(case, bias):
+  # A bias follows the batch and heads it has (a sequence is gathered); its
+  # gradient is summed over the dims it broadcasts over, across shards too.
+  _run_layout(*case[1:], bias=bias)
 
 
 _VALUE_LAYOUTS = [c for c in LAYOUTS if c[0] in (

@@ -192,6 +192,11 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(p.semaphore, 0,
                                     sizeof(int32_t) * size_t(p.b) * p.n * (p.t_pad / kBwdBlockM), stream);
   if (err != cudaSuccess) { return err; }
+  if (p.bias.grad != nullptr) {  // the tiles no query block visits keep these zeros
+    const size_t bytes = p.bias.grad_f32 ? sizeof(float) : sizeof(Element);
+    err = cudaMemsetAsync(p.bias.grad, 0, bytes * size_t(p.b) * p.n * p.t * p.bias.row_stride, stream);
+    if (err != cudaSuccess) { return err; }
+  }
   BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN);
   constexpr int64_t kSplitSlotFloats = 2 * int64_t(Traits::kBlockN) * HeadDim;
   if (Traits::kSplitTail && !p.deterministic && p.dkv_split != nullptr) {

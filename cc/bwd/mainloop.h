@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include "traits.h"
+#include "../common/bias.h"
 #include "../common/mask.h"
 #include "dq_accum.h"
 #include "../common/barriers.h"
@@ -167,6 +168,12 @@ struct BwdMainloop {
       Tensor tR2SsdS = thr_r2s.partition_D(stage_target(smem.ds.data()));
       warpgroup_gemm</*ZeroInit=*/true, /*WaitDepth=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), tSrS);
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), tSrdP);
+      // The bias (common/bias.h): its slice is rebuilt from the parameters
+      // wherever it is used, so no address stays live across the loop.
+      auto bias = [&] { return BiasTile<Element>::of(p, batch, head); };
+      // Recomputed where used: one more register live across the loop spilled.
+      auto bias_to_x = [&] { return 1.f / (softcap ? p.softcap : p.scale); };
+      const int m_start = m_block * kBlockM;
       if (dq_pending >= 0) {
         issue_dq(dq_pending);
         dq_pending = -1;
@@ -192,6 +199,7 @@ struct BwdMainloop {
         // P^T while the dP^T GEMM still runs (WGMMA batches retire in order).
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
+        if (const auto b = bias(); b.active()) { b.add_transposed(tSrS, cS, mask.n_start, m_start, bias_to_x()); }
         if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, PairRuleView::keys(p, batch, head / (p.n / p.kh), head)); }
         CUTLASS_PRAGMA_UNROLL
         for (int col = 0; col < size<1>(s); ++col) {
@@ -209,6 +217,8 @@ struct BwdMainloop {
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < size<0>(s); ++r) { dp(r, col) = s(r, col) * (dp(r, col) - delta); }
         }
+        // dS is the gradient of the biased scores: the bias gradient.
+        if (const auto b = bias(); b.grad != nullptr) { b.store_grad_transposed(tSrdP, cS, mask.n_start, m_start); }
       } else {
         // dS needs the capped score x next to P: one pass after both GEMMs.
         warpgroup_wait<0>();
@@ -217,6 +227,10 @@ struct BwdMainloop {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
         if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, PairRuleView::keys(p, batch, head / (p.n / p.kh), head)); }
+        // The bias joins the capped score here (softmax over cap * x + bias),
+        // x stays tanh's for its derivative 1 - x^2. Masked entries (x = -inf,
+        // P = 0) must stay 0, not NaN.
+        const BiasTile<Element> b = bias();
         CUTLASS_PRAGMA_UNROLL
         for (int col = 0; col < size<1>(s); ++col) {
           const int row = get<1>(cs(0, col));
@@ -225,9 +239,11 @@ struct BwdMainloop {
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < size<0>(s); ++r) {
             const float x = s(r, col);
-            const float pr = exp2f(x * scale_log2 - lse2);
-            // d tanh = 1 - x^2; masked entries (x = -inf, P = 0) must stay 0, not NaN.
-            dp(r, col) = pr > 0.f ? pr * (dp(r, col) - delta) * (1.f - x * x) : 0.f;
+            const float xb = b.active() ? fmaf(b.at(mask.n_start + get<0>(cs(r, col)), m_start + row), bias_to_x(), x) : x;
+            const float pr = exp2f(xb * scale_log2 - lse2);
+            const float ds = pr > 0.f ? pr * (dp(r, col) - delta) : 0.f;
+            if (b.grad != nullptr) { b.store_grad(mask.n_start + get<0>(cs(r, col)), m_start + row, ds); }
+            dp(r, col) = pr > 0.f ? ds * (1.f - x * x) : 0.f;
             s(r, col) = pr;
           }
         }

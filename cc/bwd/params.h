@@ -45,6 +45,7 @@ struct BwdParams {
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
   PairRuleParams pair;
+  BiasParams bias;  // grad: the bias gradient (fwd/params.h)
   void* dq = nullptr;          // [b, t, n, d]
   void* dk = nullptr;          // [b, s, kh, d]
   void* dv = nullptr;          // [b, s, kh, d_v]

@@ -41,8 +41,9 @@ bool same_dims_but_last(const A& a, const B& b, int64_t last) {
 ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
                    ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, Ids q_ids, Ids kv_ids,
-                   Ids q_spans, Ids kv_spans, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                   Ids q_spans, Ids kv_spans, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                    ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
                    ffi::Result<ffi::Buffer<ffi::S32>> semaphore, ffi::Result<ffi::Buffer<ffi::F32>> dkv_split,
                    float scale, float softcap,
@@ -72,6 +73,9 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
   if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
+  if (!set_bias(p, bias, et, &*dbias)) {
+    return invalid(kWho, "bias must be [1|B, 1|N, T, S rounded up to even] in q's dtype, dbias [B, N, T, that] in it or float32");
+  }
   if (dq_accum->element_count() != rows * p.d || delta->element_count() != rows ||
       lse_log2->element_count() != rows || semaphore->element_count() != rows / kBwdBlockM ||
       int64_t(dkv_split->element_count()) != bwd_split_scratch_floats(p.b, p.s, p.kh, p.d)) {
@@ -79,7 +83,8 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   }
   if (p.b == 0 || p.n == 0 || p.d == 0) { return ffi::Error::Success(); }
   if (p.t == 0 || p.s == 0) {  // no scores: every gradient is zero
-    for (auto* r : {&dq, &dk, &dv}) {
+    for (auto* r : {&dq, &dk, &dv, &dbias}) {
+      if ((*r)->size_bytes() == 0) { continue; }
       cudaError_t err = cudaMemsetAsync((*r)->untyped_data(), 0, (*r)->size_bytes(), stream);
       if (err != cudaSuccess) { return ffi::Error::Internal(cudaGetErrorString(err)); }
     }
@@ -125,9 +130,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()    // kv segment ids [B, S] or empty
         .Arg<ffi::Buffer<ffi::S32>>()    // q spans or empty
         .Arg<ffi::Buffer<ffi::S32>>()    // kv spans or empty
+        .Arg<ffi::AnyBuffer>()           // bias [1|B, 1|N, T, S rounded up to even] or empty
         .Ret<ffi::AnyBuffer>()           // dq
         .Ret<ffi::AnyBuffer>()           // dk
         .Ret<ffi::AnyBuffer>()           // dv
+        .Ret<ffi::AnyBuffer>()           // dbias [B, N, T, S rounded up to even] (q's dtype or f32), or empty
         .Ret<ffi::Buffer<ffi::F32>>()    // scratch: dq_accum
         .Ret<ffi::Buffer<ffi::F32>>()    // scratch: delta
         .Ret<ffi::Buffer<ffi::F32>>()    // scratch: lse_log2

@@ -93,6 +93,36 @@ bool set_pair_rule(Params& p, const Ids& a, const Ids& b, const Ids& q_spans, co
   return true;
 }
 
+// The bias operand (params.h, BiasParams): empty (none), or [BB, BN, T, SP]
+// in q's dtype with BB in {1, B}, BN in {1, N} and SP = S rounded up to even;
+// grad (the backward's) [B, N, T, SP] in that dtype or float32, or null. Call after
+// set_dims. False when the shapes or dtypes do not fit.
+template <class Params>
+bool set_bias(Params& p, const ffi::AnyBuffer& bias, ffi::DataType dtype, ffi::AnyBuffer* grad = nullptr) {
+  p.bias = BiasParams{};
+  if (bias.element_count() == 0 && bias.dimensions().size() != 4) { return grad == nullptr || grad->element_count() == 0; }
+  auto d = bias.dimensions();
+  const int64_t sp = (int64_t(p.s) + 1) / 2 * 2;
+  if (d.size() != 4 || bias.element_type() != dtype || (d[0] != 1 && d[0] != p.b) || (d[1] != 1 && d[1] != p.n) ||
+      d[2] != p.t || d[3] != sp) {
+    return false;
+  }
+  p.bias.ptr = bias.untyped_data();
+  p.bias.row_stride = sp;
+  p.bias.stride_n = d[1] > 1 ? int64_t(p.t) * sp : 0;
+  p.bias.stride_b = d[0] > 1 ? d[1] * int64_t(p.t) * sp : 0;
+  if (grad != nullptr) {
+    auto g = grad->dimensions();
+    const bool f32 = grad->element_type() == ffi::DataType::F32;
+    if (g.size() != 4 || (grad->element_type() != dtype && !f32) || g[0] != p.b || g[1] != p.n || g[2] != p.t || g[3] != sp) {
+      return false;
+    }
+    p.bias.grad = grad->untyped_data();
+    p.bias.grad_f32 = f32;
+  }
+  return true;
+}
+
 // b, t, n, d from q [B, T, N, H] and s, kh from k [B, S, K, H]; FwdParams and
 // BwdParams name them alike. Callers check rank 4 first.
 template <class Params>

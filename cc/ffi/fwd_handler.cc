@@ -28,11 +28,11 @@ const FwdKernelEntry* find_kernel(DType dtype, int d, const char* variant) {
 // Tile choice per problem: d64's 192-row tile (three consumer warpgroups) is
 // faster on unmasked problems from 1k queries and on causal ones from 4k;
 // below that its padding of short causal problems costs more than it gains
-// (benchmarks/RESULTS.md). It takes no segment ids (fwd/traits.h). A value
+// (benchmarks/RESULTS.md). It takes no pair rule or bias (fwd/traits.h). A value
 // head dim unlike Q/K's has its own tiles: "dv<Hv>".
 std::string pick_variant(const FwdParams& p, DType dtype) {
   if (p.dv != p.d) { return "dv" + std::to_string(p.dv); }
-  if (p.d == 64 && p.pair.q_spans == nullptr && find_kernel(dtype, 64, "m192") != nullptr) {
+  if (p.d == 64 && p.pair.q_spans == nullptr && p.bias.ptr == nullptr && find_kernel(dtype, 64, "m192") != nullptr) {
     const bool unmasked = p.window_left < 0 && p.window_right < 0;
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
     if ((unmasked && p.t >= 1024) || (causal_like && p.t >= 4096)) { return "m192"; }
@@ -54,7 +54,8 @@ const char* bad_operands(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const
 
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, Ids q_ids, Ids kv_ids,
-                   Ids q_spans, Ids kv_spans, ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> o,
+                   Ids q_spans, Ids kv_spans, ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> sinks,
+                   ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    float scale, float softcap, int32_t window_left, int32_t window_right) {
   DType dtype;
@@ -69,6 +70,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
   if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
+  if (!set_bias(p, bias, q.element_type())) { return invalid(kWho, "bias must be [1|B, 1|N, T, S rounded up to even] in q's dtype"); }
   if (sinks.element_count() != 0 && sinks.element_count() != size_t(p.n)) {
     return invalid(kWho, "sinks must have shape [N] or [0]");
   }
@@ -191,6 +193,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()  // kv segment ids [B, S] or empty
         .Arg<ffi::Buffer<ffi::S32>>()  // q spans or empty
         .Arg<ffi::Buffer<ffi::S32>>()  // kv spans or empty
+        .Arg<ffi::AnyBuffer>()         // bias [1|B, 1|N, T, S rounded up to even] or empty
         .Arg<ffi::Buffer<ffi::F32>>()  // sinks [N] or empty
         .Ret<ffi::AnyBuffer>()         // out
         .Ret<ffi::Buffer<ffi::F32>>()  // lse

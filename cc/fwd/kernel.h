@@ -96,6 +96,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     const bool softcap = p.softcap > 0.f;
     const float raw_to_x = softcap ? p.scale / p.softcap : 1.f;
     const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
+    const float bias_to_x = 1.f / (softcap ? p.softcap : p.scale);
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
       const int q_len = min(p.q_lens[data_batch(p, tile.batch)], p.t);
       const auto mask = tile_mask<Traits>(p, tile);
@@ -118,8 +119,13 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
       auto pairs = [&p, batch = tile.batch, head = tile.head] {
         return PairRuleView::queries<Traits::kPairRule>(p, data_batch(p, batch), head);
       };
-      mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, pairs, softcap, raw_to_x, pipe_k, pipe_v, state_kv,
-                   softmax, acc_o, release_q);
+      // Tiles without the pair rule (the d64 192-row tile) take no bias either.
+      auto bias = [&p, batch = tile.batch, head = tile.head] {
+        using Bias = BiasTile<typename Traits::Element>;
+        if constexpr (Traits::kPairRule) { return Bias::of(p, data_batch(p, batch), head); } else { return Bias{}; }
+      };
+      mainloop.run(smem, state_q.index(), mma_tid, pingpong, mask, pairs, bias, softcap, raw_to_x, bias_to_x, pipe_k,
+                   pipe_v, state_kv, softmax, acc_o, release_q);
       if (Traits::kSeparateO && !q_released) { release_q(); }  // an empty tile
       float lse[Mainloop::kRows];
       softmax.finalize(acc_o, lse, p.sinks ? p.sinks[tile.head] * 1.44269504088896340736f : -INFINITY);
@@ -144,7 +150,12 @@ template <class Element, int HeadDim, class Tile = FwdTileConfig<HeadDim>>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraits<Element, HeadDim, Tile>;
   using Scheduler = PersistentTileScheduler;
-  if (!Traits::kPairRule && p.pair.q_spans != nullptr) { return cudaErrorInvalidValue; }  // never ignore the rule
+  if (!Traits::kPairRule && (p.pair.q_spans != nullptr || p.bias.ptr != nullptr)) {
+    return cudaErrorInvalidValue;  // never ignore the rule or the bias
+  }
+  if (p.bias.ptr != nullptr && (p.q_offset != nullptr || p.num_splits != 1 || p.heads_major || p.bias.row_stride % 2)) {
+    return cudaErrorInvalidValue;  // a bias indexes plain query rows, in column pairs
+  }
   if (!Traits::kKvCache && (p.q_offset != nullptr || p.pages.table != nullptr)) { return cudaErrorInvalidValue; }
   if (p.pages.table != nullptr && (p.pages.page_size % Traits::kBlockN != 0 || p.pages.num_pages < 1)) {
     return cudaErrorInvalidValue;  // a key block must not straddle pages

@@ -11,6 +11,7 @@
 
 #include <cute/tensor.hpp>
 #include "traits.h"
+#include "../common/bias.h"
 #include "../common/mask.h"
 #include "pingpong.h"
 #include "softmax.h"
@@ -35,15 +36,19 @@ struct ConsumerMainloop {
   using Softmax = OnlineSoftmax<kRows>;
   using PingPong = WarpGroupPingPong<Traits::kPingPong, Traits::kNumMmaThreads>;
 
-  // Scores -> softmax input: softcap and boundary masking. pairs() gives the
-  // tile's PairRuleView (common/mask.h).
-  template <class TS, class TC, class Pairs>
+  // Scores -> softmax input: softcap, bias and boundary masking. pairs()
+  // gives the tile's PairRuleView (common/mask.h), bias() its BiasTile
+  // (common/bias.h).
+  template <class TS, class TC, class Pairs, class Bias>
   CUTE_DEVICE static void prepare_scores(TS& tSrS, TC const& cS, const QueryBlockMask<kBlockM, kBlockN>& mask,
-                                         Pairs&& pairs, int n_block, bool softcap, float raw_to_x) {
+                                         Pairs&& pairs, Bias&& bias, int n_block, bool softcap, float raw_to_x,
+                                         float bias_to_x) {
     if (softcap) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
     }
+    const BiasTile<Element> b = bias();
+    if (b.active()) { b.add_pairs(tSrS, cS, mask.m_start, n_block * kBlockN, bias_to_x); }
     if (mask.needs_mask(n_block)) { mask.apply(tSrS, cS, n_block, pairs()); }
   }
 
@@ -51,10 +56,10 @@ struct ConsumerMainloop {
   // on_q_dead() runs once the last S GEMM has retired (not on an empty tile):
   // the caller may release Q there, so the producer loads the next tile's Q
   // under this tile's last P.V GEMM and epilogue instead of after them.
-  template <class Pairs, class PipelineKV, class StateKV, class TO, class OnQDead>
+  template <class Pairs, class Bias, class PipelineKV, class StateKV, class TO, class OnQDead>
   CUTE_DEVICE void run(typename Traits::SharedStorage& smem, int q_stage, int mma_tid, const PingPong& pingpong,
-                       const QueryBlockMask<kBlockM, kBlockN>& mask, Pairs&& pairs, bool softcap, float raw_to_x,
-                       PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
+                       const QueryBlockMask<kBlockM, kBlockN>& mask, Pairs&& pairs, Bias&& bias, bool softcap,
+                       float raw_to_x, float bias_to_x, PipelineKV& pipe_k, PipelineKV& pipe_v, StateKV& state_kv,
                        Softmax& softmax, TO& acc_o, OnQDead&& on_q_dead) {
     if (mask.empty()) { return; }
     // A warpgroup whose 64 rows all lie past q_len (a decode tile holds a few
@@ -88,7 +93,7 @@ struct ConsumerMainloop {
     pingpong.pass_turn();
     warpgroup_wait<0>();
     pipe_k.consumer_release(state_kv);
-    prepare_scores(tSrS, cS, mask, pairs, n_block, softcap, raw_to_x);
+    prepare_scores(tSrS, cS, mask, pairs, bias, n_block, softcap, raw_to_x, bias_to_x);
     softmax.max_and_exp(tSrS, correction);  // acc_o is still zero: no rescale
     convert_into(tSrS, tOrP);
 
@@ -101,9 +106,9 @@ struct ConsumerMainloop {
       pipe_v.consumer_wait(state_v);
       warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
       pingpong.pass_turn();
-      warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+        warpgroup_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
       pipe_k.consumer_release(state_kv);
-      prepare_scores(tSrS, cS, mask, pairs, n_block, softcap, raw_to_x);
+      prepare_scores(tSrS, cS, mask, pairs, bias, n_block, softcap, raw_to_x, bias_to_x);
       softmax.max_and_exp(tSrS, correction);
       warpgroup_wait<0>();  // P.V retired: O and the P registers are free
       pipe_v.consumer_release(state_v);

@@ -40,6 +40,23 @@ struct PairRuleParams {
   int mask_b = 1, mask_n = 1, mask_kh = 1;  // mask extents (1: broadcast); ids: b, 1, 1
 };
 
+// An additive bias on the scores: softmax over scale * q.k + bias (with a
+// softcap, cap * tanh(scale * q.k / cap) + bias), in the kernel's dtype,
+// [bias_b, bias_n, t, row_stride] with bias_b in {1, b}, bias_n in {1, n}
+// (strides 0 where it broadcasts) and row_stride = s rounded up to even (the
+// forward reads column pairs). The backward writes dS, the bias gradient, to
+// grad [b, n, t, row_stride] where grad is not null, in float32 where
+// grad_f32 (the caller sums it over broadcast dims) else the kernel's dtype;
+// its launcher zeroes grad first (tiles no query block visits are not
+// written). ptr null: no bias.
+struct BiasParams {
+  const void* ptr = nullptr;
+  void* grad = nullptr;
+  bool grad_f32 = false;
+  int64_t stride_b = 0, stride_n = 0;  // elements
+  int64_t row_stride = 0;
+};
+
 // Where the keys of a KV cache live (the KV-cache entry point): key block j
 // of batch row b is block (j % per_page) of page
 // table[b * pages_per_row + j / per_page] of a [num_pages, page_size, kh, d]
@@ -63,6 +80,7 @@ struct FwdParams {
   // softmax (attention sinks); null: none.
   const float* sinks = nullptr;
   PairRuleParams pair;
+  BiasParams bias;
   // Query row i of batch b sits at position q_offset[b] + (i >> q_pack_log2)
   // for the position rule (null: position i). KV caches align queries
   // bottom-right this way; q_pack_log2 > 0 stacks a kv head's query heads as

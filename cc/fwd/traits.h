@@ -22,7 +22,7 @@ using namespace cute;
 // at d256 (a 128-register O accumulator) that spills ~200 bytes and is still
 // the faster schedule.
 template <int HeadDim> struct FwdTileConfig;
-// kPairRule: the tile takes segment ids (every default tile does).
+// kPairRule: the tile takes segment ids, masks and a bias (every default tile does).
 // HeadDimV: V's (and O's) head dim where it differs from Q/K's (0: the same).
 template <int BlockM, int BlockN, int Stages, bool PairRule = true, int HeadDimV = 0>
 struct FwdTile {
