@@ -140,8 +140,9 @@ def _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
     # The primitives' abstract eval drops shard_map's varying-axes type;
     # restore it so check_vma=True accepts results and cotangent types.
     return reference.varying_like(sharding.fa3_fwd(
-        q, k, v, q_lens, kv_lens, pairs=pairs, sinks=sinks,
-        bias=_kernel_bias(bias, q, k), **cfg.attrs), q, k, v, q_lens, kv_lens)
+        q, k, v, q_lens, kv_lens, pairs=pair_rule.query_side(pairs),
+        sinks=sinks, bias=_kernel_bias(bias, q, k), **cfg.attrs),
+        q, k, v, q_lens, kv_lens)
   return reference.fold_sinks(*reference.attention_fwd(
       q, k, v, q_lens, kv_lens, bias=bias, mask=mask, block_k=cfg.block_k,
       **_seg_kwargs(pairs), **cfg.attrs), sinks)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["GRANULE", "from_segment_ids", "from_mask", "absent", "present",
+           "query_side",
            "is_mask", "reference_kwargs", "dense_mask"]
 
 GRANULE = 16  # kSegmentGranule in cc/fwd/params.h
@@ -150,6 +151,18 @@ def absent(batch):
   ids = jnp.zeros((batch, 0), jnp.int32)
   spans = jnp.zeros((batch, 0, 4), jnp.int32)
   return ids, ids, spans, spans
+
+
+def query_side(pairs):
+  """The operands as a forward reads them: a mask's key side (its
+  transposed bits and key spans, which only the backward reads) becomes
+  zeros of its shape, so a program without the backward never computes it.
+  Segment ids and None pass through."""
+  if pairs is None or not is_mask(pairs):
+    return pairs
+  mask, mask_t, q_spans, kv_spans = pairs
+  return (mask, jnp.zeros(mask_t.shape, mask_t.dtype), q_spans,
+          jnp.zeros(kv_spans.shape, kv_spans.dtype))
 
 
 def present(pairs) -> bool:

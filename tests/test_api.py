@@ -514,3 +514,24 @@ def test_vmap_of_a_broadcast_bias_and_mask():
     want = jax.grad(lambda q, b: jnp.sum(f(q, k, v, b)), (0, 1))(qs[i], b)
     _close(gb[0][i], want[0], rtol=1e-4, atol=1e-5)
     _close(gb[1][i], want[1], rtol=1e-4, atol=1e-5)
+
+
+def test_forward_alone_skips_the_masks_key_side(fake_kernels):
+  # Only the backward reads a mask's transposed bits and key spans: the
+  # forward call gets zeros of their shape (XLA then drops their pre-pass
+  # from programs without a backward); the backward call gets them.
+  q, k, v, _ = _rand(24, B=2, T=40, S=24, N=4, K=2, dtype=jnp.bfloat16)
+  m = jax.random.uniform(jax.random.key(7), (2, 1, 40, 24)) < 0.5
+  f = lambda q, k, v: jax_fa3.dot_product_attention(q, k, v, mask=m)  # noqa: E731
+  text = jax.jit(_grad(f)).trace(q, k, v).lower(
+      lowering_platforms=("cuda",)).as_text()
+  defs = dict(re.findall(r"^\s+(%\w+)(?::\d+)? = (.*)$", text, re.M))
+
+  def key_side(target, first):  # defining ops of mask_t and kv_spans
+    call = re.search(rf"custom_call @{target}\(([^)]*)\)", text).group(1)
+    ops = [o.strip() for o in call.split(",")]
+    return [defs[ops[first + i]] for i in (1, 3)]
+  assert all(d.startswith("stablehlo.broadcast_in_dim %c")
+             for d in key_side("jax_fa3_fwd", 5))
+  assert not any(d.startswith("stablehlo.broadcast_in_dim %c")
+                 for d in key_side("jax_fa3_bwd", 8))
