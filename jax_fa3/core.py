@@ -73,10 +73,9 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
 
   ``segment_ids``: None or ``(q_ids int32 [B,T], kv_ids int32 [B,S])``
   (packed sequences: query ``i`` sees key ``j`` only where the ids are
-  equal); not with ring attention.  The kernels get them, or a ``mask``
-  without ``bias``, as the pair-rule operands of :mod:`jax_fa3.pair_rule`
-  (with their spans), computed once here and kept for the backward; a
-  ``mask`` together with a ``bias`` too.
+  equal); not with ring attention.  The kernels get them, or a ``mask``,
+  as the pair-rule operands of :mod:`jax_fa3.pair_rule` (with their spans),
+  computed once here and kept for the backward.
   ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
   gradient, the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
@@ -209,7 +208,6 @@ def _vjp_fwd(*args):
   bias = primals[5]
   bias_grad = bias is not None and bias.perturbed
   primals = custom_vjp_primal_tree_values(tuple(primals))
-  q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks = primals
   out, lse = _attention(*primals, cfg)
   saved = (None, None) if cfg.fp8 is not None else (out, lse)
   marker = jnp.zeros((0,), jnp.float32) if bias_grad else None
