@@ -112,16 +112,23 @@ def test_primitive_path_equals_reference(monkeypatch, kind):
   close_trees((got, got_v), (want, want_v), rtol=2e-2, atol=2e-2)
 
 
-def test_bias_still_names_itself(monkeypatch):
+def test_bias_and_mask_are_taken_by_the_kernels(monkeypatch):
   from jax_fa3 import api
   monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
   q, k, v, _ = rand(6, B=1, T=16, S=16, N=2, K=2, H=16, dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="bias is not supported by implementation='fa3'"):
-    jax_fa3.dot_product_attention(q, k, v, bias=jnp.zeros((1, 2, 16, 16)),
+  b = jax.random.normal(jax.random.key(1), (1, 2, 16, 16))
+  m = jnp.tril(jnp.ones((16, 16), bool))
+  # implementation="fa3" takes a bias and a mask, alone or together (off the
+  # GPU its primitives compute the reference).
+  for kw in (dict(bias=b), dict(mask=m), dict(bias=b, mask=m)):
+    got = jax_fa3.dot_product_attention(q, k, v, implementation="fa3", **kw)
+    want = jax_fa3.dot_product_attention(q, k, v, implementation="reference",
+                                         **kw)
+    close_trees(got, want, rtol=2e-2, atol=2e-2)
+  # A bias that does not broadcast still names itself before anything runs.
+  with pytest.raises(ValueError, match="bias of shape"):
+    jax_fa3.dot_product_attention(q, k, v, bias=jnp.zeros((1, 3, 16, 16)),
                                   implementation="fa3")
-  # A mask alone is taken by the kernels.
-  jax_fa3.dot_product_attention(q, k, v, mask=jnp.ones((16, 16), bool),
-                                implementation="fa3")
 
 
 @pytest.mark.parametrize("spec", [("d", None), (None, "m"), ("d", "m")])
