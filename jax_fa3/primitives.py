@@ -334,8 +334,10 @@ def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs_bias,
   del deterministic  # the reference's summation order is fixed
   *pairs, bias = pairs_bias
   kw = _rule_kwargs(pairs, q, k)
-  none = jnp.zeros(_dbias_shape(q, bias, None).shape, bias.dtype)
-  if not has_bias(bias):
+  if dbias_dtype is None:  # no bias, or no gradient asked for it
+    if has_bias(bias):
+      kw["bias"] = bias
+    none = jnp.zeros(_dbias_shape(q, bias, None).shape, bias.dtype)
     return reference.attention_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                                    **kw, **attrs) + (none,)
   B, T, N, _ = q.shape
@@ -343,7 +345,7 @@ def _reference_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs_bias,
   full = jnp.broadcast_to(bias, (B, N, T, k.shape[1]))
   dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
       q, k, v, out, lse, dout, q_lens, kv_lens, bias=full, **kw, **attrs)
-  return dq, dk, dv, none if dbias_dtype is None else dbias.astype(dbias_dtype)
+  return dq, dk, dv, dbias.astype(dbias_dtype)
 
 
 def _pad_bias(bias):
