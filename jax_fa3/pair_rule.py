@@ -41,21 +41,31 @@ def _spans_from_rows(found, first, last, count):
 
 def _row_spans(a, b):
   """For each position of ``a`` ([La] int32), the positions of ``b`` ([Lb])
-  with the same id: ``(lo, hi, full_lo, full_hi)`` as in the module doc."""
-  order = jnp.argsort(b, stable=True)
-  sb = b[order]
-  # Unrolled: the default lowers to a while loop, which on a GPU waits for
-  # the host every iteration.
-  first_i = jnp.searchsorted(sb, a, side="left", method="scan_unrolled")
-  end_i = jnp.searchsorted(sb, a, side="right", method="scan_unrolled")
-  count = end_i - first_i
-  found = count > 0
-  last_b = b.shape[0] - 1
-  # Stable order: equal ids keep ascending positions, so the run's ends are
-  # the first and last position with that id.
-  first = order[jnp.clip(first_i, 0, last_b)]
-  last = order[jnp.clip(end_i - 1, 0, last_b)]
-  return _spans_from_rows(found, first, last, count)
+  with the same id: ``(lo, hi, full_lo, full_hi)`` as in the module doc.
+
+  No sort (a GPU sort of a long row costs more than the attention it
+  narrows): ids are hashed into Lb buckets and each bucket keeps the range,
+  count and smallest/largest id of its positions.  A bucket holding one id
+  answers exactly; a shared one (distinct ids with equal hashes) gives its
+  whole range as the span and no full span -- wider, never wrong."""
+  n = b.shape[0]
+  hb = jnp.remainder(b, n)
+  pos = jnp.arange(n, dtype=jnp.int32)
+  # One scatter-min gathers both ends of each bucket's positions and ids
+  # (~x = -x - 1 turns a max into a min without overflow).
+  ends = jnp.full((n, 4), jnp.iinfo(jnp.int32).max, jnp.int32).at[hb].min(
+      jnp.stack([pos, ~pos, b, ~b], axis=-1))
+  count = jnp.zeros((n,), jnp.int32).at[hb].add(1)
+  ha = jnp.remainder(a, n)
+  ends, count = ends[ha], count[ha]
+  first, last, id_lo, id_hi = (ends[:, 0], ~ends[:, 1], ends[:, 2],
+                               ~ends[:, 3])
+  one_id = id_lo == id_hi  # an empty bucket has id_lo > id_hi
+  shared = ~one_id & (count > 0)
+  found = (one_id & (id_lo == a)) | shared
+  lo, hi, full_lo, full_hi = _spans_from_rows(found, first, last, count)
+  return (lo, hi, jnp.where(shared, _BIG, full_lo),
+          jnp.where(shared, -_BIG, full_hi))
 
 
 def _granules(spans, axis_len):
@@ -139,10 +149,11 @@ def from_mask(mask, kv_heads, T, S):
 def from_segment_ids(q_ids, kv_ids):
   """int32 ``[B, T]`` / ``[B, S]`` ids -> the kernels' four operands
   ``(q_ids, kv_ids, q_spans [B, Gt, 4], kv_spans [B, Gs, 4])``."""
+  same = q_ids is kv_ids  # self-attention over one packing: equal spans
   q_ids = q_ids.astype(jnp.int32)
-  kv_ids = kv_ids.astype(jnp.int32)
+  kv_ids = q_ids if same else kv_ids.astype(jnp.int32)
   q_spans = jax.vmap(_granule_spans)(q_ids, kv_ids)
-  kv_spans = jax.vmap(_granule_spans)(kv_ids, q_ids)
+  kv_spans = q_spans if same else jax.vmap(_granule_spans)(kv_ids, q_ids)
   return q_ids, kv_ids, q_spans, kv_spans
 
 
