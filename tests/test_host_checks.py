@@ -51,7 +51,7 @@ def _build_and_run(src, tmp_path):
   return subprocess.run([exe], capture_output=True, text=True)
 
 
-def test_bwd_tile_order_is_a_permutation(tmp_path):
+def test_tile_orders_are_permutations(tmp_path):
   run = _build_and_run("tests/tile_order_check.cu", tmp_path)
   lines = run.stdout.strip().splitlines()
   assert lines[-1] == "failures=0", "\n".join(l for l in lines if "ok=1 monotone=1" not in l)
@@ -67,9 +67,18 @@ def test_bwd_tile_order_is_a_permutation(tmp_path):
   # chunk_for on the benchmark sweep's shapes (where each width measured
   # fastest) and on GQA 16/4, whose few long key blocks keep the narrow chunk.
   rule = dict(l.split()[1:] for l in lines if l.startswith("rule "))
-  assert rule == {"d128_8k": "chunk=32", "d128_16k": "chunk=128", "d256_4k": "chunk=32",
-                  "d256_8k": "chunk=128", "d64_16k": "chunk=32",
-                  "gqa16_4_d128_8k": "chunk=32", "d128_4k": "chunk=16", "d64_4k": "chunk=16"}, rule
+  want = {"d128_8k": "chunk=32", "d128_16k": "chunk=128", "d256_4k": "chunk=32",
+          "d256_8k": "chunk=128", "d64_16k": "chunk=32",
+          "gqa16_4_d128_8k": "chunk=32", "d128_4k": "chunk=16", "d64_4k": "chunk=16"}
+  # Packed documents (segment ids) take the narrow chunk everywhere.
+  want.update({k + "_packed": "chunk=16" for k in want})
+  assert rule == want, rule
+  # The forward: every tile once on every grid, one CTA per tile with segment
+  # ids (in its order), both orders exercised.
+  fwd = [l for l in lines if l.startswith("fwd ")]
+  assert fwd and all("ok=1 monotone=1" in l for l in fwd), [
+      l for l in fwd if "ok=1 monotone=1" not in l]
+  assert {l.split("ids=")[1].split()[0] for l in fwd} == {"0", "1"}
 
 
 def test_fp8_v_transpose_places_every_byte(tmp_path):

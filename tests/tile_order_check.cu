@@ -1,20 +1,71 @@
-// Host-side check of the backward's key-block dispatch (cc/bwd/tile_scheduler.h),
-// built and run by tests/test_host_checks.py with nvcc (no GPU needed). For each
+// Host-side check of the backward's key-block dispatch (cc/bwd/tile_scheduler.h)
+// and the forward's tile order (cc/fwd/tile_scheduler.h), built and run by
+// tests/test_host_checks.py with nvcc (no GPU needed). For each backward
 // problem, order and SM count it prints one line: order, pieces (split key
 // blocks of the last wave, 1 = none), ok (every (key block, KV head, batch)
 // exactly once, or a split one as each of its shares once, with its own slot),
-// monotone (the order's promise holds).
+// monotone (the order's promise holds). Forward lines start with "fwd".
 #include <cstdio>
 #include <vector>
 #include "bwd/tile_scheduler.h"
+#include "fwd/tile_scheduler.h"
 
 using jax_fa3::BwdParams;
 using jax_fa3::BwdTileOrder;
+using jax_fa3::FwdParams;
+using jax_fa3::PersistentTileScheduler;
+using jax_fa3::WorkTile;
+
+// Every CTA of the forward grid walks its tiles; each (m block, head, batch)
+// must come exactly once. With segment ids (one tile per CTA) the grid is the
+// tile list and m descends within each group of kHeadGroup (head, batch) rows.
+int check_fwd() {
+  int failures = 0;
+  const int32_t dummy_ids = 0;
+  for (int t : {1, 127, 128, 1000, 4096}) for (int n : {1, 3, 8, 20}) for (int b : {1, 2}) {
+    for (int mode = 0; mode < 4; ++mode) {
+      FwdParams p;
+      p.t = p.s = t; p.n = p.kh = n; p.b = b; p.num_sms = 132;
+      p.window_left = -1;
+      p.window_right = mode % 2 ? 0 : -1;  // non-causal / causal
+      if (mode >= 2) { p.pair.q_ids = &dummy_ids; }  // segment ids
+      const int grid = int(PersistentTileScheduler::grid(p, 128).x);
+      PersistentTileScheduler sched(p, 128);
+      const int num_m = (t + 127) / 128;
+      std::vector<int> seen(size_t(num_m) * n * b, 0);
+      bool ok = grid > 0 && (mode < 2 || grid == int(seen.size()));
+      bool monotone = true;
+      std::vector<int> prev_m(size_t(n) * b, num_m);
+      int prev_group = 0;
+      for (int cta = 0; cta < grid; ++cta) {
+        for (WorkTile w = sched.start(cta); w.valid; w = sched.step(w, grid)) {
+          if (w.m_block < 0 || w.m_block >= num_m || w.head < 0 || w.head >= n || w.batch < 0 || w.batch >= b) {
+            ok = false;
+            break;
+          }
+          const int hb = w.batch * n + w.head;
+          seen[size_t(hb) * num_m + w.m_block] += 1;
+          if (mode >= 2) {  // groups in order; m high to low within each row
+            const int group = hb / PersistentTileScheduler::kHeadGroup;
+            monotone &= w.m_block < prev_m[hb] && group >= prev_group;
+            prev_m[hb] = w.m_block;
+            prev_group = group;
+          }
+        }
+      }
+      for (int c : seen) { ok &= c == 1; }
+      std::printf("fwd t=%d n=%d b=%d causal=%d ids=%d grid=%d ok=%d monotone=%d\n", t, n, b, mode % 2,
+                  int(mode >= 2), grid, int(ok), int(monotone));
+      failures += !(ok && monotone);
+    }
+  }
+  return failures;
+}
 
 int main() {
+  int failures = check_fwd();
   const int seqs[] = {1, 127, 128, 1000, 4096, 8192, 16384, 40000};
   const int heads[][2] = {{1, 1}, {4, 1}, {4, 4}, {2, 3}};
-  int failures = 0;
   for (int s : seqs) {
     for (const auto& hb : heads) {
       for (int mode = 0; mode < 3; ++mode) for (int sms : {0, 132, 7}) for (int chunk : {0, 5, 128}) {
@@ -78,6 +129,10 @@ int main() {
     p.b = r.b; p.t = p.s = r.t; p.n = r.n; p.kh = r.kh; p.d = r.d; p.num_sms = 132;
     p.window_left = -1; p.window_right = 0;
     std::printf("rule %s chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n).chunk);
+    // The same with packed documents (segment ids): the narrow chunk.
+    const int32_t ids = 0;
+    p.pair.q_ids = &ids;
+    std::printf("rule %s_packed chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n).chunk);
   }
   std::printf("failures=%d\n", failures);
   return failures != 0;

@@ -62,7 +62,10 @@ struct BwdTileOrder {
                       : causal_like                            ? kLongestFirst
                                                                : kHeadMajor;
     BwdTileOrder o{order, (p.s + block_n - 1) / block_n, p.kh * p.b, p.kh};
-    o.chunk = chunk_for(p, o.num_units());
+    // Packed documents: a key block sees only its document's rows, so the
+    // working set is far below chunk_for's estimate, and narrow chunks
+    // balance the documents' uneven key blocks best.
+    o.chunk = p.pair.q_ids != nullptr ? kNarrowChunk : chunk_for(p, o.num_units());
     o.split_from = o.num_units();
     return o;
   }

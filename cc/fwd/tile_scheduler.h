@@ -7,6 +7,12 @@
 //    in L2.
 //  - With a causal-like window (work grows with m) a unit is a pair of tiles of
 //    equal total cost (decode()).
+//  - With segment ids a tile's cost depends on the data (packed documents: a
+//    sawtooth over m), which no fixed stride balances: one CTA per tile, so
+//    the hardware hands the next tile to whichever SM frees first, in a
+//    longest-first-like order (m high to low) within groups of kHeadGroup
+//    (head, batch) rows, whose K/V then share L2. (Masks keep the persistent
+//    orders: a causal mask costs like is_causal.)
 // A head-major longest-first list handed some CTAs only heavy tiles under a
 // fixed stride, and an m-major order (longest first across all heads) put
 // every concurrent CTA on a different head, re-reading K/V from HBM.
@@ -29,28 +35,34 @@ CUTE_HOST_DEVICE int data_batch(const FwdParams& p, int batch) {
 }
 
 struct PersistentTileScheduler {
-  int num_m, num_heads;
+  static constexpr int kHeadGroup = 8;
+  int num_m, num_heads, num_hb;
   bool pairs;  // causal-like: a work unit is a tile pair
+  bool single;  // a pair rule: one tile per CTA
   int num_pairs, num_units;
   int idx, half;  // current work unit; which tile of a pair
 
   CUTE_HOST_DEVICE static bool causal_like(const FwdParams& p) {
     return p.window_right >= 0 && p.window_left < 0;  // work grows with m
   }
+  CUTE_HOST_DEVICE static bool one_tile_per_cta(const FwdParams& p) { return p.pair.q_ids != nullptr; }
   CUTE_HOST_DEVICE static int num_units_of(const FwdParams& p, int block_m) {
     const int num_m = (p.t + block_m - 1) / block_m;
     const int batches = p.b * p.num_splits;
-    if (causal_like(p)) { return (num_m + 1) / 2 * p.n * batches; }
+    if (causal_like(p) && !one_tile_per_cta(p)) { return (num_m + 1) / 2 * p.n * batches; }
     return num_m * p.n * batches;
   }
   static dim3 grid(const FwdParams& p, int block_m) {
     long long units = num_units_of(p, block_m);
+    if (one_tile_per_cta(p)) { return dim3(unsigned(units), 1, 1); }
     return dim3(unsigned(units < p.num_sms ? units : p.num_sms), 1, 1);
   }
-  CUTE_DEVICE PersistentTileScheduler(const FwdParams& p, int block_m) {
+  CUTE_HOST_DEVICE PersistentTileScheduler(const FwdParams& p, int block_m) {
     num_m = (p.t + block_m - 1) / block_m;
     num_heads = p.n;
-    pairs = causal_like(p);
+    num_hb = p.n * p.b * p.num_splits;
+    single = one_tile_per_cta(p);
+    pairs = causal_like(p) && !single;
     num_pairs = (num_m + 1) / 2;
     num_units = num_units_of(p, block_m);
   }
@@ -58,10 +70,16 @@ struct PersistentTileScheduler {
   // (head, batch), whose block counts sum to num_m + 1 whatever m is, so a
   // fixed stride over equal-cost units balances the CTAs; the units of one
   // head are adjacent, so the CTAs running at the same time share its K/V in L2.
-  CUTE_DEVICE WorkTile decode() const {
+  CUTE_HOST_DEVICE WorkTile decode() const {
     if (idx >= num_units) { return {0, 0, 0, false}; }
     int m, hb;
-    if (pairs) {
+    if (single) {  // groups of kHeadGroup (head, batch) rows, m high to low, rows inner
+      const int g = idx / (kHeadGroup * num_m);
+      const int rows = min(kHeadGroup, num_hb - g * kHeadGroup);
+      const int r = idx - g * kHeadGroup * num_m;
+      m = num_m - 1 - r / rows;
+      hb = g * kHeadGroup + r % rows;
+    } else if (pairs) {
       hb = idx / num_pairs;
       const int pair = idx % num_pairs;
       m = half == 0 ? num_m - 1 - pair : pair;
@@ -70,13 +88,17 @@ struct PersistentTileScheduler {
     }
     return {m, hb % num_heads, hb / num_heads, true};
   }
-  CUTE_DEVICE WorkTile first() { idx = blockIdx.x; half = 0; return decode(); }
-  CUTE_DEVICE WorkTile next(const WorkTile& cur) {
+  CUTE_DEVICE WorkTile first() { return start(blockIdx.x); }
+  CUTE_DEVICE WorkTile next(const WorkTile& cur) { return step(cur, gridDim.x); }
+  // CTA `cta`'s first tile, and the tile after `cur` on a grid of `grid` CTAs.
+  CUTE_HOST_DEVICE WorkTile start(int cta) { idx = cta; half = 0; return decode(); }
+  CUTE_HOST_DEVICE WorkTile step(const WorkTile& cur, int grid) {
+    if (single) { return {0, 0, 0, false}; }
     // The second tile of a pair, unless the pair is the odd middle tile.
     if (pairs && half == 0 && cur.m_block != num_m - 1 - cur.m_block) {
       half = 1;
     } else {
-      idx += gridDim.x; half = 0;
+      idx += grid; half = 0;
     }
     return decode();
   }
