@@ -49,6 +49,38 @@ struct Case {
   int docs = 0;                // segment ids: documents per row (0: none)
   bool scattered = false;      // ids at random instead of contiguous documents
   bool as_mask = false;        // the same rule given as a boolean mask
+  // An additive bias with its gradient: 1 = [1, n, t, s] (gradient in fp32,
+  // as the caller sums it), 2 = [b, 1, t, s] (gradient in the inputs' dtype).
+  int bias = 0;
+};
+
+// Host copy of a case's bias and its device buffers (gradient: [b, n, t, row]).
+struct Bias {
+  int kind = 0, b = 0, n = 0, t = 0;
+  int64_t row = 0;  // s rounded up to even (the forward reads column pairs)
+  std::vector<uint16_t> host;
+  void *dev = nullptr, *grad = nullptr;
+  Bias(const Case& c, NormalRng& rng, bool bf16) : kind(c.bias), b(c.b), n(c.n), t(c.t), row(c.s + (c.s & 1)) {
+    if (!kind) return;
+    host.resize(size_t(kind == 2 ? b : 1) * (kind == 1 ? n : 1) * t * row);
+    fill_normal(host, rng, bf16);
+    CHECK_CUDA(cudaMalloc(&dev, host.size() * 2));
+    CHECK_CUDA(cudaMemcpy(dev, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMalloc(&grad, grad_elems() * grad_bytes()));
+  }
+  ~Bias() { cudaFree(dev); cudaFree(grad); }
+  size_t grad_elems() const { return size_t(b) * n * t * row; }
+  int grad_bytes() const { return kind == 1 ? 4 : 2; }
+  size_t at(int bb, int h, int i, int j) const {
+    return ((size_t(kind == 2 ? bb : 0) * (kind == 1 ? n : 1) + (kind == 1 ? h : 0)) * t + i) * row + j;
+  }
+  template <class P> void attach(P& p) const {
+    if (!kind) return;
+    p.bias.ptr = dev;
+    p.bias.row_stride = row;
+    p.bias.stride_n = kind == 1 ? int64_t(t) * row : 0;
+    p.bias.stride_b = kind == 2 ? int64_t(t) * row : 0;
+  }
 };
 
 // Device memory of one problem: inputs, forward outputs, gradients, scratch.
@@ -133,7 +165,7 @@ jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int rig
   return p;
 }
 
-struct Grads { std::vector<double> dq, dk, dv; };
+struct Grads { std::vector<double> dq, dk, dv, dbias; };
 
 // float64 gradients of sum(dO * attention(q, k, v)) from the same (rounded)
 // inputs the kernel sees; q, k, dQ, dK have head dim d, v, dO, dV have dv.
@@ -146,10 +178,11 @@ struct Grads { std::vector<double> dq, dk, dv; };
 Grads reference(const Case& c, int d, int dv, int right, const std::vector<double>& q, const std::vector<double>& k,
                 const std::vector<double>& v, const std::vector<double>& dout,
                 const std::vector<int32_t>& qlen, const std::vector<int32_t>& kvlen,
-                const check_util::Segments& seg) {
+                const check_util::Segments& seg, const Bias& bias, bool bf16) {
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
   const size_t nv = size_t(c.b) * c.s * c.kh * dv;
-  Grads g{std::vector<double>(nq), std::vector<double>(nk), std::vector<double>(nv)};
+  Grads g{std::vector<double>(nq), std::vector<double>(nk), std::vector<double>(nv),
+          std::vector<double>(bias.kind ? bias.grad_elems() : 0)};
   const double scale = 1.0 / std::sqrt(double(d)), cap = c.softcap;
   const int group = c.n / c.kh;
   std::vector<double> x(c.s), p(c.s), o(dv);
@@ -169,6 +202,7 @@ Grads reference(const Case& c, int d, int dv, int right, const std::vector<doubl
           for (int e = 0; e < d; ++e) acc += q[qo + e] * k[kv_off(j, d) + e];
           x[j] = acc * scale;
           p[j] = cap > 0 ? cap * std::tanh(x[j] / cap) : x[j];  // the score s
+          if (bias.kind) p[j] += from_half(bias.host[bias.at(b, h, i, j)], bf16);
           if (!seg.same(b, i, j)) p[j] = -INFINITY;  // another segment: P = 0
           mx = std::max(mx, p[j]);
         }
@@ -187,6 +221,7 @@ Grads reference(const Case& c, int d, int dv, int right, const std::vector<doubl
           double dp = 0;
           for (int e = 0; e < dv; ++e) dp += dout[oo + e] * v[vo + e];
           double dx = p[j] * (dp - delta);
+          if (bias.kind) g.dbias[((size_t(b) * c.n + h) * c.t + i) * bias.row + j] = dx;  // dS
           if (cap > 0) { const double th = std::tanh(x[j] / cap); dx *= 1 - th * th; }
           for (int e = 0; e < d; ++e) {
             g.dq[qo + e] += scale * dx * k[ko + e];
@@ -242,18 +277,25 @@ Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
   char what[200];
   std::snprintf(what, sizeof what, "%s %s %s", bf16 ? "bf16" : "fp16", dims.c_str(), c.name);
   const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
-  const jax_fa3::FwdParams fp = fwd_params(m, c.softcap, c.left, right, seg);
+  const Bias bias(c, rng, bf16);
+  jax_fa3::FwdParams fp = fwd_params(m, c.softcap, c.left, right, seg);
+  bias.attach(fp);
   // A value head dim unlike d has its own forward tiles: the handler's pick.
   int err = jax_fa3_fwd_launch(&fp, dt, dv != d ? "auto" : "default", nullptr);
   if (err == -1) { release(m); return Outcome::kNotCompiled; }
   CHECK_CUDA(cudaError_t(err));
   check_util::wait_or_die(kTag, (std::string("forward ") + what).c_str(), g_watchdog_s);
 
-  const jax_fa3::BwdParams bp = bwd_params(m, c.softcap, c.left, right, c.deterministic, seg);
+  jax_fa3::BwdParams bp = bwd_params(m, c.softcap, c.left, right, c.deterministic, seg);
+  bias.attach(bp);
+  bp.bias.grad = bias.grad;
+  bp.bias.grad_f32 = bias.kind == 1;
   std::vector<uint16_t> got[2][3];  // [run][dq, dk, dv]
+  std::vector<uint8_t> got_dbias(bias.kind ? bias.grad_elems() * bias.grad_bytes() : 0);
   const int runs = c.deterministic ? 2 : 1;
   for (int r = 0; r < runs; ++r) {
     poison_outputs(m);
+    if (bias.kind) CHECK_CUDA(cudaMemset(bias.grad, 0xFF, got_dbias.size()));
     err = jax_fa3_bwd_launch(&bp, dt, nullptr);
     if (err == -1) { release(m); return Outcome::kNotCompiled; }
     CHECK_CUDA(cudaError_t(err));
@@ -262,6 +304,7 @@ Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
     CHECK_CUDA(cudaMemcpy(got[r][0].data(), m.dq, m.nq() * 2, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(got[r][1].data(), m.dk, m.nk() * 2, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(got[r][2].data(), m.dv, m.nv() * 2, cudaMemcpyDeviceToHost));
+    if (bias.kind) CHECK_CUDA(cudaMemcpy(got_dbias.data(), bias.grad, got_dbias.size(), cudaMemcpyDeviceToHost));
   }
   release(m);
   const bool repro = runs == 1 || (got[0][0] == got[1][0] && got[0][1] == got[1][1] && got[0][2] == got[1][2]);
@@ -271,7 +314,7 @@ Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
     for (size_t i = 0; i < h.size(); ++i) out[i] = from_half(h[i], bf16);
     return out;
   };
-  const Grads ref = reference(c, d, dv, right, decode(hq), decode(hk), decode(hv), decode(hdo), qlen, kvlen, seg);
+  const Grads ref = reference(c, d, dv, right, decode(hq), decode(hk), decode(hv), decode(hdo), qlen, kvlen, seg, bias, bf16);
   const std::vector<double>* refs[3] = {&ref.dq, &ref.dk, &ref.dv};
   // Tolerance per gradient: max|d - ref| <= rtol * max|ref| + atol. The kernel
   // rounds P and dS to the input dtype before the dV/dK/dQ GEMMs, reads O
@@ -291,9 +334,25 @@ Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
     nonfinite |= e.nonfinite;
     ok &= !e.nonfinite && e.max_err <= tols[x];
   }
-  std::printf("%s %s %s %-20s max_err=%.2e/%.2e/%.2e tol=%.2e/%.2e/%.2e (dq/dk/dv)%s%s\n", ok ? "PASS" : "FAIL",
+  char dbias_note[80] = "";
+  if (bias.kind) {  // dS over the visible pairs; padding columns and rows past q_len hold 0
+    Err e;
+    for (size_t x = 0; x < ref.dbias.size(); ++x) {
+      double g;
+      if (bias.kind == 1) { float f; std::memcpy(&f, &got_dbias[x * 4], 4); g = f; }
+      else { uint16_t h; std::memcpy(&h, &got_dbias[x * 2], 2); g = from_half(h, bf16); }
+      if (!std::isfinite(g)) { e.nonfinite = true; continue; }
+      e.max_err = std::max(e.max_err, std::fabs(g - ref.dbias[x]));
+      e.max_ref = std::max(e.max_ref, std::fabs(ref.dbias[x]));
+    }
+    const double tol = rtol * e.max_ref + atol;
+    nonfinite |= e.nonfinite;
+    ok &= !e.nonfinite && e.max_err <= tol;
+    std::snprintf(dbias_note, sizeof dbias_note, " dbias=%.2e tol=%.2e", e.max_err, tol);
+  }
+  std::printf("%s %s %s %-20s max_err=%.2e/%.2e/%.2e tol=%.2e/%.2e/%.2e (dq/dk/dv)%s%s%s\n", ok ? "PASS" : "FAIL",
               bf16 ? "bf16" : "fp16", dims.c_str(), c.name, errs[0], errs[1], errs[2], tols[0], tols[1], tols[2],
-              nonfinite ? " nonfinite" : "", repro ? "" : " not-bit-reproducible");
+              dbias_note, nonfinite ? " nonfinite" : "", repro ? "" : " not-bit-reproducible");
   std::fflush(stdout);
   return ok ? Outcome::kPass : Outcome::kFail;
 }
@@ -418,6 +477,13 @@ int main(int argc, char** argv) {
       {"mask_cross_lens_gqa", 2, 333, 517, 6, 2, false, -1, -1, 0.f, true, false, 5, false, true},
       {"mask_scattered_causal", 2, 300, 300, 2, 2, true, -1, -1, 0.f, false, false, 3, true, true},
       {"mask_det_causal", 2, 520, 520, 4, 2, true, -1, -1, 0.f, false, true, 6, false, true},
+      // A bias and its gradient: per head (fp32 gradient) and per batch row,
+      // with lengths, odd S, GQA, softcap, documents, a mask, deterministic dQ.
+      {"bias_causal_lens_gqa", 2, 190, 231, 6, 2, true, -1, -1, 0.f, true, false, 0, false, false, 1},
+      {"bias_window", 2, 300, 301, 2, 1, false, 40, 17, 0.f, false, false, 0, false, false, 2},
+      {"bias_softcap", 1, 160, 190, 2, 2, false, -1, -1, 3.f, false, false, 0, false, false, 1},
+      {"bias_seg_causal", 1, 700, 700, 2, 2, true, -1, -1, 0.f, false, false, 9, false, false, 2},
+      {"bias_mask_det", 2, 300, 300, 2, 2, true, -1, -1, 0.f, false, true, 3, true, true, 1},
   };
   int passed = 0, failed = 0;
   for (int d : hdims) {

@@ -52,7 +52,13 @@ struct Case {
   // whose unused pages hold NaN.
   int kv_pack = 0, kv_splits = 1, kv_page = 0;
   bool heads_major = false;  // Q and O stored [b, n, t, d] (FwdParams::heads_major)
+  int bias = 0;  // an additive bias: 1 = [1, n, t, s], 2 = [b, 1, t, s] (odd s: its pad column holds NaN)
 };
+
+Case bias_case(Case c, int bias) {
+  c.bias = bias;
+  return c;
+}
 
 Case kv_case(int b, int t, int s, int kh, bool causal, int pack, int splits, int page, int left = -1, int n = 0,
              bool heads_major = false) {
@@ -137,9 +143,23 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
     CHECK_CUDA(cudaMalloc((void**)&dtab, table.size() * 4));
     CHECK_CUDA(cudaMemcpy(dtab, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   }
+  // The bias in the kernel's dtype, rows padded to even (the kernel reads column pairs).
+  const int bias_b = c.bias == 2 ? c.b : 1, bias_n = c.bias == 1 ? c.n : 1;
+  const int64_t bias_row = c.s + (c.s & 1);
+  std::vector<uint16_t> hbias(c.bias ? size_t(bias_b) * bias_n * c.t * bias_row : 0);
+  void* dbias = nullptr;
+  if (c.bias) {
+    fill_normal(hbias, rng, bf16);
+    for (size_t r = 0; bias_row != c.s && r < hbias.size() / bias_row; ++r) hbias[r * bias_row + c.s] = 0xFFFF;
+    CHECK_CUDA(cudaMalloc(&dbias, hbias.size() * 2));
+    CHECK_CUDA(cudaMemcpy(dbias, hbias.data(), hbias.size() * 2, cudaMemcpyHostToDevice));
+  }
+  auto bias_at = [&](int b, int h, int i, int j) {
+    return double(dec(hbias[((size_t(c.bias == 2 ? b : 0) * bias_n + (c.bias == 1 ? h : 0)) * c.t + i) * bias_row + j]));
+  };
   auto free_all = [&] {
     cudaFree(dq); cudaFree(dk); cudaFree(dV); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
-    cudaFree(dsinks); cudaFree(doff); cudaFree(dtab);
+    cudaFree(dsinks); cudaFree(doff); cudaFree(dtab); cudaFree(dbias);
   };
 
   jax_fa3::FwdParams p;
@@ -154,6 +174,12 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   if (paged) { p.pages = {dtab, ppr, c.kv_page, num_pages}; }
   const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
   seg.attach(p.pair);
+  if (c.bias) {
+    p.bias.ptr = dbias;
+    p.bias.row_stride = bias_row;
+    p.bias.stride_n = bias_n > 1 ? int64_t(c.t) * bias_row : 0;
+    p.bias.stride_b = bias_b > 1 ? int64_t(bias_n) * c.t * bias_row : 0;
+  }
 
   std::vector<uint16_t> out[2];
   std::vector<float> lse[2];
@@ -225,6 +251,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
           for (int x = 0; x < d; ++x) acc += double(dec(qi[x])) * dec(kj[x]);
           acc *= p.scale;
           if (c.softcap > 0) acc = c.softcap * std::tanh(acc / c.softcap);
+          if (c.bias) acc += bias_at(b, h, i, j);
           sc[j] = acc; mx = std::max(mx, acc);
         }
         const double sink = c.sinks ? double(hsinks[h]) : -INFINITY;
@@ -395,6 +422,12 @@ int main(int argc, char** argv) {
       kv_case(2, 3, 700, 2, true, 1, 2, 256, -1, 6),  // a group of 6 is not packed: heads map to kv heads
       // Heads-major Q/O (a decode step's queries as they lie in [B, 1, N, H]).
       kv_case(3, 4, 700, 2, true, 4, 1, 0, -1, 0, true), kv_case(2, 8, 1100, 2, true, 8, 3, 256, -1, 0, true),
+      // A bias per head or per batch row: causal GQA with lengths, odd S, softcap, documents, a mask.
+      bias_case({2, 190, 231, 4, 2, true, -1, -1, 0.f, true}, 1),
+      bias_case({2, 300, 301, 2, 2, false, 40, 17}, 2),
+      bias_case({1, 257, 255, 2, 2, false, -1, -1, 30.f}, 1),
+      bias_case({1, 700, 700, 2, 2, true, -1, -1, 0.f, false, 9}, 2),
+      bias_case({2, 300, 300, 2, 2, true, -1, -1, 0.f, false, 3, true, true}, 1),
   };
   const bool bf16 = dtype == "bf16";
   const double tol_o = bf16 ? 2e-2 : 4e-3;
@@ -402,7 +435,7 @@ int main(int argc, char** argv) {
   for (int d : hdims) {
     for (size_t ci = 0; ci < cases.size(); ++ci) {
       const Case& c = cases[ci];
-      if (c.docs > 0 && std::strcmp(variant.c_str(), "m192") == 0) continue;  // takes no segment ids
+      if ((c.docs > 0 || c.bias) && std::strcmp(variant.c_str(), "m192") == 0) continue;  // takes no pair rule, no bias
       if (c.kv_page % (d >= 192 ? 80 : 128) != 0) continue;  // a page holds whole key blocks (fwd/traits.h)
       if (c.kv_pack && std::strcmp(variant.c_str(), "m192") == 0) continue;  // training shapes only
       if (only == "kv" && !c.kv_pack) continue;
@@ -418,11 +451,12 @@ int main(int argc, char** argv) {
       bool ok = !r.nan && r.repro && r.max_err_o <= tol_o && r.max_err_lse <= 1e-3;
       failures += !ok;
       std::printf("%s d%-3d dv%-3d b%d t%-4d s%-4d n%d/%d causal=%d win=(%d,%d) cap=%g lens=%d docs=%d%s%s  "
-                  "%s max|dO|=%.2e max|dLSE|=%.2e nan=%d repro=%d  %s\n",
+                  "%s%s max|dO|=%.2e max|dLSE|=%.2e nan=%d repro=%d  %s\n",
                   dtype.c_str(), d, dv, c.b, c.t, c.s, c.n, c.kh, c.causal, c.left, c.right, c.softcap,
                   c.lens, c.docs, c.scattered ? "s" : (c.as_mask ? "m" : ""), c.sinks ? " sinks" : "",
                   c.kv_pack ? (" kv pack=" + std::to_string(c.kv_pack) + " splits=" + std::to_string(c.kv_splits) +
-                               " page=" + std::to_string(c.kv_page)).c_str() : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
+                               " page=" + std::to_string(c.kv_page)).c_str() : "",
+                  c.bias ? (c.bias == 1 ? " bias[1,n]" : " bias[b,1]") : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
     }
   }
   std::printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
