@@ -46,6 +46,9 @@ def check_qkv(query, key, value, *, ndim=4, value_head_dim=False):
                      "k-v lengths, heads or head_dim)")
   if v.shape[-1] == 0:
     raise ValueError(f"value head_dim must be positive, got {v.shape}")
+  if k.shape[1] == 0:
+    raise ValueError(f"key/value sequence length S must be positive (a "
+                     f"query needs a key to attend to), got {k.shape}")
   B, T, N, H = q.shape
   if k.shape[0] != B:
     raise ValueError(f"query and key/value batch sizes differ: {B} vs "

@@ -237,6 +237,11 @@ def _bad_cases():
       "batch": lambda: A(q, k[:1], v[:1]),
       "head_dim": lambda: A(q, k[..., :4], v[..., :4]),
       "kv_len": lambda: A(q, k, v[:, :3]),
+      "no_keys": lambda: A(q, k[:, :0], v[:, :0]),
+      "dpa_no_keys": lambda: D(q, k[:, :0], v[:, :0]),
+      "segments_no_keys": lambda: A(q, k[:, :0], v[:, :0],
+                                    q_segment_ids=np.zeros((2, 4), np.int32),
+                                    kv_segment_ids=np.zeros((2, 0), np.int32)),
       "kv_heads": lambda: A(q, k, v[:, :, :1]),
       "heads_multiple": lambda: A(q[:, :, :3], k, v),
       "qlens_dtype": lambda: A(q, k, v, query_seq_lengths=np.array([4, 4])

@@ -38,7 +38,7 @@ struct PersistentTileScheduler {
   static constexpr int kHeadGroup = 8;
   int num_m, num_heads, num_hb;
   bool pairs;  // causal-like: a work unit is a tile pair
-  bool single;  // a pair rule: one tile per CTA
+  bool single;  // segment ids: one tile per CTA
   int num_pairs, num_units;
   int idx, half;  // current work unit; which tile of a pair
 
