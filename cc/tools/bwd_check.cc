@@ -54,35 +54,6 @@ struct Case {
   int bias = 0;
 };
 
-// Host copy of a case's bias and its device buffers (gradient: [b, n, t, row]).
-struct Bias {
-  int kind = 0, b = 0, n = 0, t = 0;
-  int64_t row = 0;  // s rounded up to even (the forward reads column pairs)
-  std::vector<uint16_t> host;
-  void *dev = nullptr, *grad = nullptr;
-  Bias(const Case& c, NormalRng& rng, bool bf16) : kind(c.bias), b(c.b), n(c.n), t(c.t), row(c.s + (c.s & 1)) {
-    if (!kind) return;
-    host.resize(size_t(kind == 2 ? b : 1) * (kind == 1 ? n : 1) * t * row);
-    fill_normal(host, rng, bf16);
-    CHECK_CUDA(cudaMalloc(&dev, host.size() * 2));
-    CHECK_CUDA(cudaMemcpy(dev, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMalloc(&grad, grad_elems() * grad_bytes()));
-  }
-  ~Bias() { cudaFree(dev); cudaFree(grad); }
-  size_t grad_elems() const { return size_t(b) * n * t * row; }
-  int grad_bytes() const { return kind == 1 ? 4 : 2; }
-  size_t at(int bb, int h, int i, int j) const {
-    return ((size_t(kind == 2 ? bb : 0) * (kind == 1 ? n : 1) + (kind == 1 ? h : 0)) * t + i) * row + j;
-  }
-  template <class P> void attach(P& p) const {
-    if (!kind) return;
-    p.bias.ptr = dev;
-    p.bias.row_stride = row;
-    p.bias.stride_n = kind == 1 ? int64_t(t) * row : 0;
-    p.bias.stride_b = kind == 2 ? int64_t(t) * row : 0;
-  }
-};
-
 // Device memory of one problem: inputs, forward outputs, gradients, scratch.
 // d: Q's and K's head dim; d_v: V's, O's, dO's and dV's (as in BwdParams).
 struct Buffers {
@@ -178,7 +149,7 @@ struct Grads { std::vector<double> dq, dk, dv, dbias; };
 Grads reference(const Case& c, int d, int dv, int right, const std::vector<double>& q, const std::vector<double>& k,
                 const std::vector<double>& v, const std::vector<double>& dout,
                 const std::vector<int32_t>& qlen, const std::vector<int32_t>& kvlen,
-                const check_util::Segments& seg, const Bias& bias, bool bf16) {
+                const check_util::Segments& seg, const check_util::Bias& bias, bool bf16) {
   const size_t nq = size_t(c.b) * c.t * c.n * d, nk = size_t(c.b) * c.s * c.kh * d;
   const size_t nv = size_t(c.b) * c.s * c.kh * dv;
   Grads g{std::vector<double>(nq), std::vector<double>(nk), std::vector<double>(nv),
@@ -277,7 +248,7 @@ Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
   char what[200];
   std::snprintf(what, sizeof what, "%s %s %s", bf16 ? "bf16" : "fp16", dims.c_str(), c.name);
   const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
-  const Bias bias(c, rng, bf16);
+  const check_util::Bias bias(c.bias, c.b, c.n, c.t, c.s, rng, bf16, /*nan_pad=*/false, /*with_grad=*/true);
   jax_fa3::FwdParams fp = fwd_params(m, c.softcap, c.left, right, seg);
   bias.attach(fp);
   // A value head dim unlike d has its own forward tiles: the handler's pick.

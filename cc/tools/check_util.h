@@ -244,4 +244,40 @@ struct Segments {
   }
 };
 
+// An additive bias of a case (kind 1: [1, n, t, s], 2: [b, 1, t, s], 0: none)
+// in the kernels' dtype, rows padded to even (the forward reads column
+// pairs); nan_pad poisons the pad column. with_grad: a [b, n, t, row]
+// gradient buffer, fp32 for kind 1 (the caller sums it), else 16-bit.
+struct Bias {
+  int kind = 0, b = 0, n = 0, t = 0;
+  int64_t row = 0;
+  std::vector<uint16_t> host;
+  void *dev = nullptr, *grad = nullptr;
+  Bias(int kind_, int b_, int n_, int t_, int s, NormalRng& rng, bool bf16, bool nan_pad, bool with_grad)
+      : kind(kind_), b(b_), n(n_), t(t_), row(s + (s & 1)) {
+    if (!kind) return;
+    host.resize(size_t(kind == 2 ? b : 1) * (kind == 1 ? n : 1) * t * row);
+    fill_normal(host, rng, bf16);
+    for (size_t r = 0; nan_pad && row != s && r < host.size() / row; ++r) host[r * row + s] = 0xFFFF;
+    CHECK_CUDA(cudaMalloc(&dev, host.size() * 2));
+    CHECK_CUDA(cudaMemcpy(dev, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+    if (with_grad) CHECK_CUDA(cudaMalloc(&grad, grad_elems() * grad_bytes()));
+  }
+  ~Bias() { cudaFree(dev); cudaFree(grad); }
+  Bias(const Bias&) = delete;
+  Bias& operator=(const Bias&) = delete;
+  size_t grad_elems() const { return size_t(b) * n * t * row; }
+  int grad_bytes() const { return kind == 1 ? 4 : 2; }
+  size_t at(int bb, int h, int i, int j) const {
+    return ((size_t(kind == 2 ? bb : 0) * (kind == 1 ? n : 1) + (kind == 1 ? h : 0)) * t + i) * row + j;
+  }
+  template <class P> void attach(P& p) const {
+    if (!kind) return;
+    p.bias.ptr = dev;
+    p.bias.row_stride = row;
+    p.bias.stride_n = kind == 1 ? int64_t(t) * row : 0;
+    p.bias.stride_b = kind == 2 ? int64_t(t) * row : 0;
+  }
+};
+
 }  // namespace check_util

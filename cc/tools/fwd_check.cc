@@ -143,23 +143,10 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
     CHECK_CUDA(cudaMalloc((void**)&dtab, table.size() * 4));
     CHECK_CUDA(cudaMemcpy(dtab, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   }
-  // The bias in the kernel's dtype, rows padded to even (the kernel reads column pairs).
-  const int bias_b = c.bias == 2 ? c.b : 1, bias_n = c.bias == 1 ? c.n : 1;
-  const int64_t bias_row = c.s + (c.s & 1);
-  std::vector<uint16_t> hbias(c.bias ? size_t(bias_b) * bias_n * c.t * bias_row : 0);
-  void* dbias = nullptr;
-  if (c.bias) {
-    fill_normal(hbias, rng, bf16);
-    for (size_t r = 0; bias_row != c.s && r < hbias.size() / bias_row; ++r) hbias[r * bias_row + c.s] = 0xFFFF;
-    CHECK_CUDA(cudaMalloc(&dbias, hbias.size() * 2));
-    CHECK_CUDA(cudaMemcpy(dbias, hbias.data(), hbias.size() * 2, cudaMemcpyHostToDevice));
-  }
-  auto bias_at = [&](int b, int h, int i, int j) {
-    return double(dec(hbias[((size_t(c.bias == 2 ? b : 0) * bias_n + (c.bias == 1 ? h : 0)) * c.t + i) * bias_row + j]));
-  };
+  const check_util::Bias bias(c.bias, c.b, c.n, c.t, c.s, rng, bf16, /*nan_pad=*/true, /*with_grad=*/false);
   auto free_all = [&] {
     cudaFree(dq); cudaFree(dk); cudaFree(dV); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
-    cudaFree(dsinks); cudaFree(doff); cudaFree(dtab); cudaFree(dbias);
+    cudaFree(dsinks); cudaFree(doff); cudaFree(dtab);
   };
 
   jax_fa3::FwdParams p;
@@ -174,12 +161,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   if (paged) { p.pages = {dtab, ppr, c.kv_page, num_pages}; }
   const check_util::Segments seg(c.b, c.t, c.s, c.docs, c.scattered, seed + 1, c.as_mask);
   seg.attach(p.pair);
-  if (c.bias) {
-    p.bias.ptr = dbias;
-    p.bias.row_stride = bias_row;
-    p.bias.stride_n = bias_n > 1 ? int64_t(c.t) * bias_row : 0;
-    p.bias.stride_b = bias_b > 1 ? int64_t(bias_n) * c.t * bias_row : 0;
-  }
+  bias.attach(p);
 
   std::vector<uint16_t> out[2];
   std::vector<float> lse[2];
@@ -251,7 +233,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
           for (int x = 0; x < d; ++x) acc += double(dec(qi[x])) * dec(kj[x]);
           acc *= p.scale;
           if (c.softcap > 0) acc = c.softcap * std::tanh(acc / c.softcap);
-          if (c.bias) acc += bias_at(b, h, i, j);
+          if (c.bias) acc += dec(bias.host[bias.at(b, h, i, j)]);
           sc[j] = acc; mx = std::max(mx, acc);
         }
         const double sink = c.sinks ? double(hsinks[h]) : -INFINITY;
