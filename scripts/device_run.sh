@@ -57,9 +57,11 @@ for stage in "$@"; do
           ${TEST_ARGS:-} > "$OUT/t_$f.log" 2>&1
         echo "$f rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/t_$f.log" | head -${TEST_LINES:-12}
       done ;;
-    alltests)  # the README's test command; SUITE_PART="gpu", then "not gpu", splits it in two
-      # (the whole suite runs longer than one 10-minute device call)
-      python3 -m pytest -q tests -p no:cacheprovider ${SUITE_PART:+-m "$SUITE_PART"} 2>&1 \
+    alltests)  # the README's test command, on pytest-xdist's workers where it is installed
+      # (TEST_WORKERS, default nproc): 1231 tests take about 11 minutes on 16 workers, longer than
+      # one 10-minute device call, so split it: SUITE_PART="gpu", then SUITE_PART="not gpu"
+      workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-$(nproc)}"
+      python3 -m pytest -q tests -p no:cacheprovider $workers ${SUITE_PART:+-m "$SUITE_PART"} 2>&1 \
         | tee "$OUT/alltests${SUITE_PART:+_${SUITE_PART// /_}}.log" | tail -40 ;;
     check)  # forward kernels vs a float64 host reference, without XLA (cc/tools/fwd_check.cc)
       { $FWD_CHECK --hdims 64,96,128,192,256 && $FWD_CHECK --dtype fp16 --hdims 64,128,256 \
