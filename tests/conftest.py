@@ -8,6 +8,7 @@ compiled-config discovery) and `host_reference.py` (NumPy references and the
 FA3 tolerance rule).
 """
 import os
+import zlib
 
 
 def _add_xla_flag(flag):
@@ -40,7 +41,34 @@ def pytest_configure(config):
       "markers", "gpu: needs the compiled kernels and an sm_90 (H100/H200) GPU")
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--part", default=None, metavar="I/N",
+      help="run only part I (0-based) of N fixed parts of the collected tests "
+           "(split by a hash of each test's id), so a long suite can run in "
+           "N shorter sessions that together cover every test exactly once")
+
+
+def _select_part(config, items):
+  spec = config.getoption("--part")
+  if spec is None:
+    return
+  try:
+    i, n = (int(x) for x in spec.split("/"))
+  except ValueError:
+    raise pytest.UsageError(f"--part wants I/N (e.g. 0/2), got {spec!r}") from None
+  if not 0 <= i < n:
+    raise pytest.UsageError(f"--part {spec}: I must be in [0, N)")
+  keep, drop = [], []
+  for item in items:
+    (keep if zlib.crc32(item.nodeid.encode()) % n == i else drop).append(item)
+  if drop:
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+  _select_part(config, items)
   if HAS_SM90:
     return
   skip = pytest.mark.skip(reason="no sm_90 GPU with jax_fa3 kernels")
