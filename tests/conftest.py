@@ -46,7 +46,7 @@ def pytest_addoption(parser):
       "--part", default=None, metavar="I/N",
       help="run only part I (0-based) of N fixed parts of the collected tests "
            "(split by a hash of each test's id), so a long suite can run in "
-           "N shorter sessions that together cover every test exactly once")
+           "N shorter runs that together cover every test exactly once")
 
 
 def _select_part(config, items):
