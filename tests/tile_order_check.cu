@@ -5,6 +5,7 @@
 // blocks of the last wave, 1 = none), ok (every (key block, KV head, batch)
 // exactly once, or a split one as each of its shares once, with its own slot),
 // monotone (the order's promise holds). Forward lines start with "fwd".
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 #include "bwd/tile_scheduler.h"
@@ -15,6 +16,17 @@ using jax_fa3::BwdTileOrder;
 using jax_fa3::FwdParams;
 using jax_fa3::PersistentTileScheduler;
 using jax_fa3::WorkTile;
+
+// The most tiles one CTA of a `grid`-CTA launch walks.
+int max_tiles(PersistentTileScheduler sched, int grid) {
+  int most = 0;
+  for (int cta = 0; cta < grid; ++cta) {
+    int count = 0;
+    for (WorkTile w = sched.start(cta); w.valid; w = sched.step(w, grid)) { ++count; }
+    most = std::max(most, count);
+  }
+  return most;
+}
 
 // Every CTA of the forward grid walks its tiles; each (m block, head, batch)
 // must come exactly once. With segment ids (one tile per CTA) the grid is the
@@ -54,6 +66,12 @@ int check_fwd() {
         }
       }
       for (int c : seen) { ok &= c == 1; }
+      // A persistent grid no larger than the SMs, whose busiest CTA takes no
+      // more tiles than under one CTA per SM (the grid only drops idle tails).
+      if (mode < 2) {
+        const int one_per_sm = std::min(PersistentTileScheduler::num_units_of(p, 128), p.num_sms);
+        ok &= grid <= p.num_sms && max_tiles(sched, grid) <= max_tiles(sched, one_per_sm);
+      }
       std::printf("fwd t=%d n=%d b=%d causal=%d ids=%d grid=%d ok=%d monotone=%d\n", t, n, b, mode % 2,
                   int(mode >= 2), grid, int(ok), int(monotone));
       failures += !(ok && monotone);

@@ -13,6 +13,8 @@
 //   jax_fa3_fwd_check --time-decode B,L,K,D,G [--splits S] [--variant V]
 // times one decode step (a group of G query heads packed as rows of each of K
 // kv heads, against a contiguous cache of L keys), reporting K/V GB/s.
+// --sms N (with --time / --time-decode) sizes the persistent grid as if the GPU
+// had N SMs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -262,9 +264,12 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
 
 }  // namespace
 
+static int sms_override = 0;  // --sms
+
 // Mean milliseconds of `iters` back-to-back launches after 3 warm-up ones
 // (CUDA events); -1 when a launch fails.
-float time_launches(const jax_fa3::FwdParams& p, bool bf16, const char* variant, int iters) {
+float time_launches(jax_fa3::FwdParams p, bool bf16, const char* variant, int iters) {
+  if (sms_override > 0) { p.num_sms = sms_override; }
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
   for (int i = 0; i < 3; ++i) jax_fa3_fwd_launch(&p, bf16 ? 0 : 1, variant, nullptr);
@@ -366,6 +371,7 @@ int main(int argc, char** argv) {
     else if (a == "--time-decode") decode_spec = argv[i + 1];
     else if (a == "--splits") splits = std::atoi(argv[i + 1]);
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
+    else if (a == "--sms") sms_override = std::atoi(argv[i + 1]);
     else if (a == "--hdims") hdims = check_util::parse_int_list(argv[i + 1]);
     else if (a == "--only") only = argv[i + 1];
     else if (a == "--dv") dv_arg = std::atoi(argv[i + 1]);
