@@ -60,7 +60,7 @@ for stage in "$@"; do
     alltests)  # the README's test command, on pytest-xdist's workers where it is installed
       # (TEST_WORKERS, default nproc). 1231 tests take about 12 minutes on 16 workers, longer than one
       # 10-minute device call: SUITE_PART="0/3", "1/3", "2/3" run three fixed parts that together
-      # are the whole suite (tests/conftest.py --part), each about a third of the time.
+      # are the whole suite (tests/conftest.py --part), each 6-7.5 minutes (every part pays its own jit compiles).
       workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-$(nproc)}"
       python3 -m pytest -q tests -p no:cacheprovider $workers ${SUITE_PART:+--part "$SUITE_PART"} 2>&1 \
         | tee "$OUT/alltests${SUITE_PART:+_${SUITE_PART//\//_of_}}.log" | tail -40 ;;
