@@ -59,7 +59,7 @@ struct PersistentTileScheduler {
   static dim3 grid(const FwdParams& p, int block_m) {
     const long long units = num_units_of(p, block_m);
     if (one_tile_per_cta(p)) { return dim3(unsigned(units), 1, 1); }
-    const long long sms = p.num_sms > 0 ? p.num_sms : 1;
+    const long long sms = p.num_sms > 0 ? p.num_sms : 132;  // as the backward's scheduler assumes
     const long long rounds = (units + sms - 1) / sms;
     return dim3(unsigned((units + rounds - 1) / rounds), 1, 1);
   }
