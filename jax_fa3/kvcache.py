@@ -96,7 +96,9 @@ def _merge_splits(out, lse):
 def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
                       causal, window, softcap, num_splits):
   """The kernel path: a GQA group's query heads packed as rows of their kv
-  head (sharding.kvcache_fwd), positions ``lengths - Tq + i`` (bottom-right)."""
+  head (sharding.kvcache_fwd), positions ``lengths - Tq + i`` (bottom-right;
+  the kernel clamps ``lengths`` to the capacity and derives the positions,
+  so a decode step runs the custom call alone)."""
   B, Tq, N, H = q.shape
   K = k_cache.shape[2]
   G = N // K
@@ -111,9 +113,8 @@ def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
   ns = num_splits or auto_splits(B, heads, rows, capacity, H)
   pt = page_table if paged else jnp.zeros((B, 0), jnp.int32)
   out, lse = sharding.kvcache_fwd(
-      q, k_cache, v_cache, jnp.full((B,), rows, jnp.int32), lengths,
-      lengths - Tq, pt, scale=scale, softcap=softcap, window_left=left,
-      window_right=right, q_pack=pack, num_splits=ns)
+      q, k_cache, v_cache, lengths, pt, scale=scale, softcap=softcap,
+      window_left=left, window_right=right, q_pack=pack, num_splits=ns)
   return _merge_splits(out, lse)
 
 
@@ -274,15 +275,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   window = V.check_window(local_window_size)
   softcap = V.check_softcap(softcap)
 
-  sl = jnp.clip(sl.astype(jnp.int32), 0, capacity)
+  sl = sl.astype(jnp.int32)
   pt = None if page_table is None else jnp.asarray(page_table, jnp.int32)
   k_cache, v_cache = kc, V.as_array(v_cache, "v_cache")
   if k_new is not None:
+    sl = jnp.clip(sl, 0, capacity)
     k_cache = _append(k_cache, k_new, pt, paged, page_size, sl, capacity)
     v_cache = _append(v_cache, v_new, pt, paged, page_size, sl, capacity)
     lengths = jnp.minimum(sl + Tq, capacity)
   else:
-    lengths = sl
+    lengths = sl  # clamped by the kernel or below
   if _kernel_path(q, paged, page_size):
     out = _kernel_attention(q, k_cache, v_cache, lengths, pt, scale=scale,
                             causal=causal, window=window, softcap=softcap,
@@ -290,8 +292,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   else:
     k = _gather(k_cache, pt, paged, page_size, capacity, B)
     v = _gather(v_cache, pt, paged, page_size, capacity, B)
-    out = _reference(q, k, v, lengths, scale=scale, causal=causal,
-                     window=window, softcap=softcap)
+    out = _reference(q, k, v, jnp.clip(lengths, 0, capacity), scale=scale,
+                     causal=causal, window=window, softcap=softcap)
   if k_new is None:
     return out
   return out, k_cache, v_cache

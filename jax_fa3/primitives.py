@@ -149,16 +149,18 @@ def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, pairs=None,
       v_transposed=bool(v_transposed)))
 
 
-def kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table, *,
+def kvcache_fwd(q, k_cache, v_cache, kv_lens, page_table, *,
                 scale, softcap=0.0, window_left=-1, window_right=-1, q_pack=1,
                 num_splits=1, heads_major=False):
   """``(out [B, num_splits, T, N, H], lse f32 [B, num_splits, N, T])``: the
-  split-KV parts of attention on a cache (:func:`reference.kvcache_fwd`);
-  ``page_table`` int32 ``[B, pages]``, or ``[B, 0]`` for a contiguous
-  cache.  ``heads_major``: q is ``[B, N, T, H]`` and out ``[B, num_splits,
+  split-KV parts of attention on a cache (:func:`reference.kvcache_fwd`),
+  every query row valid and aligned bottom-right to ``kv_lens`` (clamped to
+  the capacity inside, so a caller's cache lengths pass as they are and a
+  decode step compiles to this call alone); ``page_table``
+  int32 ``[B, pages]``, or ``[B, 0]`` for a contiguous cache.  ``heads_major``: q is ``[B, N, T, H]`` and out ``[B, num_splits,
   N, T, H]``."""
   return tuple(kvcache_fwd_p.bind(
-      q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
+      q, k_cache, v_cache, kv_lens, page_table,
       scale=float(scale), softcap=float(softcap),
       window_left=int(window_left), window_right=int(window_right),
       q_pack=int(q_pack), num_splits=int(num_splits),

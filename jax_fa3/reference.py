@@ -261,15 +261,17 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   return out, lse.reshape(B, st.N, T)
 
 
-def kvcache_fwd(q, k, v, q_lens, kv_lens, q_offset, page_table, *, scale,
+def kvcache_fwd(q, k, v, kv_lens, page_table, *, scale,
                 softcap, window_left, window_right, q_pack, num_splits,
                 heads_major=False):
   """The KV-cache kernel call (``primitives.kvcache_fwd``) in pure JAX.
 
-  ``q [B,T,N,H]``: row ``i`` of batch ``b`` sits at position ``q_offset[b]
-  + i // q_pack`` for the window rule; ``k, v`` a contiguous ``[B,S,K,H]``
-  cache, or pages ``[P, page_size, K, H]`` that ``page_table [B, pages]``
-  maps (``[B, 0]``: contiguous; page ids clamped to the pool).  Returns
+  ``q [B,T,N,H]``, every row valid: row ``i`` of batch ``b`` sits at
+  position ``L[b] - T // q_pack + i // q_pack`` for the window rule
+  (bottom-right, ``L`` = ``kv_lens`` clamped to ``[0, S]``); ``k, v`` a
+  contiguous ``[B,S,K,H]`` cache, or pages ``[P, page_size, K, H]`` that
+  ``page_table [B, pages]`` maps (``[B, 0]``: contiguous; page ids clamped
+  to the pool).  Returns
   ``(out [B, Z, T, N, H], lse [B, Z, N, T])`` for ``Z = num_splits`` parts
   of the keys, each normalized over its own keys (a part with none: 0 and
   ``+inf``); here part ``z`` holds positions ``[z c, (z + 1) c)``, ``c =
@@ -278,7 +280,7 @@ def kvcache_fwd(q, k, v, q_lens, kv_lens, q_offset, page_table, *, scale,
   T, H]``."""
   if heads_major:
     out, lse = kvcache_fwd(
-        q.transpose(0, 2, 1, 3), k, v, q_lens, kv_lens, q_offset, page_table,
+        q.transpose(0, 2, 1, 3), k, v, kv_lens, page_table,
         scale=scale, softcap=softcap, window_left=window_left,
         window_right=window_right, q_pack=q_pack, num_splits=num_splits)
     return out.transpose(0, 1, 3, 2, 4), lse
@@ -295,10 +297,10 @@ def kvcache_fwd(q, k, v, q_lens, kv_lens, q_offset, page_table, *, scale,
   if softcap:
     s = softcap * jnp.tanh(s / softcap)
   row = jnp.arange(T, dtype=jnp.int32)
-  qpos = q_offset[:, None] + row[None] // q_pack                  # [B, T]
+  kv_len = jnp.clip(kv_lens, 0, S)
+  qpos = (kv_len - T // q_pack)[:, None] + row[None] // q_pack    # [B, T]
   j = jnp.arange(S, dtype=jnp.int32)
-  vis = ((j[None, None] < jnp.minimum(kv_lens, S)[:, None, None])
-         & (row[None, :, None] < jnp.minimum(q_lens, T)[:, None, None]))
+  vis = jnp.broadcast_to(j[None, None] < kv_len[:, None, None], (B, T, S))
   if window_right >= 0:
     vis = vis & (j <= qpos[..., None] + window_right)
   if window_left >= 0:

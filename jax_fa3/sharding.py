@@ -64,7 +64,7 @@ _V_LAYOUT = {False: "b s k h", True: "b k h z"}
 # KV caches: q as the caller holds it (_kvcache_impl packs GQA groups); a
 # contiguous cache follows the batch, a paged pool (c pages) is whole on
 # every batch shard; z: split parts.
-_KVCACHE_RULE = "b t Q h, C s k h, C s k h, b, b, b, b p -> b z t Q h, b z Q t"
+_KVCACHE_RULE = "b t Q h, C s k h, C s k h, b, b p -> b z t Q h, b z Q t"
 _SEQ_FREE = ("h", "v", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l", "o")
 _SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
 
@@ -383,7 +383,7 @@ def _fp8_fwd_partition(scale, window_left, window_right, out_dtype,
 
 
 # ------------------------------------------------------------- KV caches
-def _kvcache_impl(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
+def _kvcache_impl(q, k_cache, v_cache, kv_lens, page_table,
                   scale, softcap, window_left, window_right, q_pack,
                   num_splits):
   """``q [B, T, N, H]`` -> ``(out [B, Z, T, N, H], lse [B, Z, N, T])``.  With
@@ -394,14 +394,13 @@ def _kvcache_impl(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
   kw = dict(scale=scale, softcap=softcap, window_left=window_left,
             window_right=window_right, q_pack=q_pack, num_splits=num_splits)
   if q_pack == 1:
-    return primitives.kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens,
-                                  q_offset, page_table, **kw)
+    return primitives.kvcache_fwd(q, k_cache, v_cache, kv_lens, page_table,
+                                  **kw)
   B, T, N, H = q.shape
   K, G = N // q_pack, q_pack
   qp = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
-  out, lse = primitives.kvcache_fwd(qp, k_cache, v_cache, q_lens, kv_lens,
-                                    q_offset, page_table, heads_major=True,
-                                    **kw)
+  out, lse = primitives.kvcache_fwd(qp, k_cache, v_cache, kv_lens,
+                                    page_table, heads_major=True, **kw)
   Z = out.shape[1]
   out = out.reshape(B, Z, K, T, G, H).transpose(0, 1, 3, 2, 4, 5)
   lse = lse.reshape(B, Z, K, T, G).transpose(0, 1, 2, 4, 3)
@@ -414,14 +413,13 @@ def _kvcache_shardings(plan, paged):
   b, n = _entry(plan.b), _entry(plan.n)
   cache = plan.ns(None, None, n, None) if paged else plan.kv
   outs = (plan.ns(b, None, None, n, None), plan.ns(b, None, n, None))
-  return outs, (plan.q, cache, cache, plan.lens, plan.lens, plan.lens,
-                plan.ns(b, None))
+  return outs, (plan.q, cache, cache, plan.lens, plan.ns(b, None))
 
 
 def _kvcache_partition(scale, softcap, window_left, window_right, q_pack,
                        num_splits, mesh, arg_shapes, result_shape):
   plan = _plan(arg_shapes, mesh, ring=False)
-  outs, args = _kvcache_shardings(plan, arg_shapes[6].shape[1] > 0)
+  outs, args = _kvcache_shardings(plan, arg_shapes[4].shape[1] > 0)
   local = partial(_kvcache_impl, scale=scale, softcap=softcap,
                   window_left=window_left, window_right=window_right,
                   q_pack=q_pack, num_splits=num_splits)
@@ -429,7 +427,7 @@ def _kvcache_partition(scale, softcap, window_left, window_right, q_pack,
 
 
 def _kvcache_rule(ops, *static):
-  rule = _KVCACHE_RULE.replace("C", "c" if ops[6].shape[1] else "b")
+  rule = _KVCACHE_RULE.replace("C", "c" if ops[4].shape[1] else "b")
   return _rule(rule, ops, ("t", "h", "s", "p", "z", "c"))
 
 
@@ -508,12 +506,12 @@ _kvcache = _partitioned(
     _kvcache_rule, lambda shapes, *s: dict(ring=False), n_per_batch=0)
 
 
-def kvcache_fwd(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table, *,
+def kvcache_fwd(q, k_cache, v_cache, kv_lens, page_table, *,
                 scale, softcap, window_left, window_right, q_pack,
                 num_splits):
   """Partitioned :func:`primitives.kvcache_fwd` -> ``(out, lse)`` (batch and
   kv-head sharding)."""
-  return _kvcache(q, k_cache, v_cache, q_lens, kv_lens, q_offset, page_table,
+  return _kvcache(q, k_cache, v_cache, kv_lens, page_table,
                   static=(float(scale), float(softcap), int(window_left),
                           int(window_right), int(q_pack), int(num_splits)))
 

@@ -7,6 +7,8 @@ nothing else in the cache changes (unused pages hold NaN, which a stray read
 would carry into the output)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -66,7 +68,7 @@ def _expected(q, kc, vc, k_new, v_new, lens, table, dtype, *, causal=True,
   expected dense caches) on the gathered cache with the new rows written."""
   k, v = _dense(kc, table).copy(), _dense(vc, table).copy()
   B, Tq, N, H = q.shape
-  L = np.array(lens)
+  L = np.clip(np.array(lens), 0, k.shape[1])  # the kernel clamps to the capacity
   if k_new is not None:
     for b in range(B):
       k[b, L[b]:L[b] + Tq] = np.asarray(k_new, np.float32)[b]
@@ -160,7 +162,7 @@ def test_query_counts(cfg, Tq, paged):
 
 @pytest.mark.parametrize("cfg", PRIMARY, ids=cid)
 @pytest.mark.parametrize("kind", ["gqa64_8", "mqa", "group6", "window", "window_noncausal",
-                                  "softcap", "no_append", "noncausal_tq5"])
+                                  "softcap", "no_append", "lens_out_of_range", "noncausal_tq5"])
 def test_variants(cfg, kind):
   kw = dict(seed=len(kind))
   if kind == "gqa64_8":
@@ -177,6 +179,8 @@ def test_variants(cfg, kind):
     kw.update(softcap=8.0, Tq=2)
   elif kind == "no_append":
     kw.update(append=False, lens=np.array([0, 1280, 517], np.int32))
+  elif kind == "lens_out_of_range":  # the kernel clamps them: empty, full, valid
+    kw.update(append=False, Tq=2, lens=np.array([-4, 1280 + 700, 517], np.int32))
   elif kind == "noncausal_tq5":
     kw.update(is_causal=False, Tq=5, paged=False)
   _run(cfg, **kw)
@@ -190,3 +194,21 @@ def test_splits_agree(cfg):
   outs = [_run(cfg, B=1, Tq=1, heads=(32, 8), cap=32768, paged=True, append=False,
                lens=lens, num_splits=s) for s in (None, 1, 7, 7)]
   np.testing.assert_array_equal(outs[2], outs[3])
+
+
+@pytest.mark.parametrize("cfg", PRIMARY, ids=cid)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_step_compiles_to_the_kernel_alone(cfg, paged):
+  # A decode step hands the cache lengths to the kernel as they are (it
+  # clamps them and places the queries itself): no fusion or copy runs
+  # around the custom call, each of which would cost a launch per step (one
+  # part: split-KV adds the merge by design).
+  dtype_name, H = cfg
+  page = 2 * KEY_BLOCK[H] if paged else None
+  q, kc, vc, _, _, lens, table = _setup(0, np_dtype(dtype_name), 4, 1, 32, 8, H,
+                                        4 * KEY_BLOCK[H], page)
+  f = jax.jit(lambda q, kc, vc, lens, table: jax_fa3.attention_with_kvcache(
+      q, kc, vc, lens, page_table=table, num_splits=1))
+  text = f.lower(q, kc, vc, lens, table).compile().as_text()
+  launches = re.findall(r"\b(fusion|copy|custom-call|transpose|broadcast)\(", text)
+  assert launches == ["custom-call"], (launches, text)

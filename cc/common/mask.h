@@ -214,7 +214,7 @@ CUTE_DEVICE void mask_rows(TS& scores, TC const& coords, RowInterval&& interval)
 }
 
 // The position of each query row for the position rule: (row >> pack_log2)
-// + offset (FwdParams::q_offset, q_pack_log2). Rows are positions unless a KV
+// + offset (FwdParams::bottom_right, q_pack_log2). Rows are positions unless a KV
 // cache shifts them (bottom-right alignment) or packs a GQA group's heads as
 // rows (a power of two of them: a shift, where a division's hoisted
 // reciprocal cost the consumers registers).
@@ -246,13 +246,16 @@ struct QueryBlockMask {
     n_block_max = blocks.hi;
   }
   // The view of query block m_block of batch row `batch` (FwdParams-like p).
-  // Positions: the kernel takes KV-cache row positions (FwdParams::q_offset,
+  // Positions: the kernel takes KV-cache row positions (FwdParams::bottom_right,
   // q_pack_log2); without, rows are positions at compile time.
   template <bool PairRule = true, bool Positions = false, class Params>
   CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch, int head) {
-    return QueryBlockMask(m_block, min(p.q_lens[batch], p.t), min(p.kv_lens[batch], p.s), p.window_left,
-                          p.window_right, PairRuleView::queries<PairRule>(p, batch, head),
-                          Positions ? RowPositions{p.q_offset ? p.q_offset[batch] : 0, p.q_pack_log2} : RowPositions{});
+    const int q_len = p.q_lens != nullptr ? min(p.q_lens[batch], p.t) : p.t;
+    const int kv_len = min(max(p.kv_lens[batch], 0), p.s);
+    const int offset = Positions && p.bottom_right ? kv_len - (p.t >> p.q_pack_log2) : 0;
+    return QueryBlockMask(m_block, q_len, kv_len, p.window_left, p.window_right,
+                          PairRuleView::queries<PairRule>(p, batch, head),
+                          Positions ? RowPositions{offset, p.q_pack_log2} : RowPositions{});
   }
 
   // Split-KV (FwdParams::num_splits): part `split` of `splits` visits an

@@ -94,13 +94,15 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 }
 
 // The KV-cache forward (jax_fa3/kvcache.py): the forward kernels on a
-// contiguous [B, S, K, H] or paged [pages, page_size, K, H] cache, queries at
-// positions q_offset[b] + row / q_pack, split-KV into num_splits parts whose
+// contiguous [B, S, K, H] or paged [pages, page_size, K, H] cache, every query
+// row valid and aligned bottom-right (row i at position kv_len[b] - T / q_pack
+// + i / q_pack; kv_lens as the caller holds them, clamped in the kernel, so a
+// decode step is this call alone), split-KV into num_splits parts whose
 // O [B, splits, T, N, H] and LSE [B, splits, N, T] the caller merges.
 // heads_major: q is [B, N, T, H] and O [B, splits, N, T, H] instead.
 ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                          ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                          ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> page_table,
+                          ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::Buffer<ffi::S32> page_table,
                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
                           float softcap, int32_t window_left, int32_t window_right, int32_t q_pack,
                           int32_t num_splits, int32_t heads_major) {
@@ -123,8 +125,8 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   } else if (kd[0] != p.b) {
     return invalid(who, "a contiguous cache must have q's batch");
   }
-  if (!lens_match(q_lens, kv_lens, p.b) || q_offset.element_count() != size_t(p.b)) {
-    return invalid(who, "q_lens, kv_lens, q_offset must have shape [B]");
+  if (kv_lens.element_count() != size_t(p.b)) {
+    return invalid(who, "kv_lens must have shape [B]");
   }
   if (q_pack < 1 || (q_pack & (q_pack - 1)) != 0 || num_splits < 1) {
     return invalid(who, "q_pack must be a power of two and num_splits >= 1");
@@ -138,13 +140,13 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   if (p.b == 0 || p.t == 0 || p.n == 0) { return ffi::Error::Success(); }
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
   p.o = o->untyped_data(); p.lse = lse->typed_data();
-  p.q_lens = q_lens.typed_data(); p.kv_lens = kv_lens.typed_data();
-  p.q_offset = q_offset.typed_data();
+  p.kv_lens = kv_lens.typed_data();  // every query row is valid (q_lens null)
+  p.bottom_right = true;
   p.dv = p.d;
   while ((1 << p.q_pack_log2) < q_pack) { ++p.q_pack_log2; }
   p.num_splits = num_splits;
   p.scale = scale; p.softcap = softcap;
-  // Positions lie in [-t, s + t] (q_offset in [-t, s]): a side that long is unbounded.
+  // Positions lie in [-t, s + t] (offsets in [-t, s]): a side that long is unbounded.
   p.window_left = clamp_window(window_left, p.s + p.t);
   p.window_right = clamp_window(window_right, p.s + p.t);
   p.num_sms = sm_count();
@@ -165,9 +167,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()         // q [B, T, N, H]
         .Arg<ffi::AnyBuffer>()         // k_cache
         .Arg<ffi::AnyBuffer>()         // v_cache
-        .Arg<ffi::Buffer<ffi::S32>>()  // q_lens [B]
-        .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [B]
-        .Arg<ffi::Buffer<ffi::S32>>()  // q_offset [B]
+        .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [B], clamped in the kernel
         .Arg<ffi::Buffer<ffi::S32>>()  // page_table [B, pages_per_row] or empty
         .Ret<ffi::AnyBuffer>()         // out [B, num_splits, T, N, H]
         .Ret<ffi::Buffer<ffi::F32>>()  // lse [B, num_splits, N, T]

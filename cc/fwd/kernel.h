@@ -48,7 +48,7 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
   using PipelineQ = typename Traits::PipelineQ;
   using PipelineKV = typename Traits::PipelineKV;
   using Mainloop = ConsumerMainloop<Traits>;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr int kBlockM = Traits::kBlockM;
 
   extern __shared__ char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -98,8 +98,8 @@ fwd_kernel(CUTE_GRID_CONSTANT const FwdKernelParams<Traits> params) {
     const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
     const float bias_to_x = 1.f / (softcap ? p.softcap : p.scale);
     for (WorkTile tile = scheduler.first(); tile.valid; tile = scheduler.next(tile)) {
-      const int q_len = min(p.q_lens[data_batch(p, tile.batch)], p.t);
       const auto mask = tile_mask<Traits>(p, tile);
+      const int q_len = mask.rule.q_len;
       Tensor acc_o = partition_fragment_C(mainloop.mma_pv, Shape<Int<kBlockM>, Int<Traits::kHeadDimV>>{});
       clear(acc_o);
       typename Mainloop::Softmax softmax(scale_log2);
@@ -153,10 +153,10 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (!Traits::kPairRule && (p.pair.q_spans != nullptr || p.bias.ptr != nullptr)) {
     return cudaErrorInvalidValue;  // never ignore the rule or the bias
   }
-  if (p.bias.ptr != nullptr && (p.q_offset != nullptr || p.num_splits != 1 || p.heads_major || p.bias.row_stride % 2)) {
+  if (p.bias.ptr != nullptr && (p.bottom_right || p.num_splits != 1 || p.heads_major || p.bias.row_stride % 2)) {
     return cudaErrorInvalidValue;  // a bias indexes plain query rows, in column pairs
   }
-  if (!Traits::kKvCache && (p.q_offset != nullptr || p.pages.table != nullptr)) { return cudaErrorInvalidValue; }
+  if (!Traits::kKvCache && (p.bottom_right || p.pages.table != nullptr)) { return cudaErrorInvalidValue; }
   if (p.pages.table != nullptr && (p.pages.page_size % Traits::kBlockN != 0 || p.pages.num_pages < 1)) {
     return cudaErrorInvalidValue;  // a key block must not straddle pages
   }

@@ -74,18 +74,20 @@ struct FwdParams {
   const void* v = nullptr;   // [b, s, kh, dv]
   void* o = nullptr;         // [b, t, n, dv]
   float* lse = nullptr;      // [b, n, t], natural log; +inf for rows that see no key
-  const int32_t* q_lens = nullptr;   // [b] valid query rows per batch (clamped to t)
-  const int32_t* kv_lens = nullptr;  // [b] valid key rows per batch (clamped to s)
+  const int32_t* q_lens = nullptr;   // [b] valid query rows per batch (clamped to t); null: all t
+  const int32_t* kv_lens = nullptr;  // [b] valid key rows per batch (clamped to [0, s])
   // [n] per-head logit of a virtual key with value 0 that joins every row's
   // softmax (attention sinks); null: none.
   const float* sinks = nullptr;
   PairRuleParams pair;
   BiasParams bias;
-  // Query row i of batch b sits at position q_offset[b] + (i >> q_pack_log2)
-  // for the position rule (null: position i). KV caches align queries
-  // bottom-right this way; q_pack_log2 > 0 stacks a kv head's query heads as
-  // rows (GQA packing: one K/V read serves the group).
-  const int32_t* q_offset = nullptr;  // [b]
+  // KV caches align queries bottom-right: query row i of batch b sits at
+  // position kv_len[b] - (t >> q_pack_log2) + (i >> q_pack_log2) for the
+  // position rule, kv_len[b] clamped to [0, s] in the kernel, so the caller's
+  // cache lengths reach it as given (false: position i). q_pack_log2 > 0
+  // stacks a kv head's query heads as rows (GQA packing: one K/V read serves
+  // the group).
+  bool bottom_right = false;
   int q_pack_log2 = 0;
   PagedKV pages;
   // Split-KV: each (query block, head, batch) runs as num_splits parts of its

@@ -64,7 +64,7 @@ struct FwdTraits {
   // One producer warpgroup (only one warp of it issues TMA) and kBlockM / 64
   // consumer warpgroups, each owning 64 rows of the Q tile.
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
-  // Serves KV caches too (row positions, paged K/V loads: FwdParams::q_offset,
+  // Serves KV caches too (row positions, paged K/V loads: FwdParams::bottom_right,
   // pages); the 192-row tile is the handler's pick for long training shapes only.
   static constexpr bool kKvCache = kNumMmaWarpGroups < 3;
   static constexpr bool kPagedKV = kKvCache;

@@ -92,8 +92,21 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   fill_normal(hv, rng, bf16);
   std::vector<int32_t> qlen, kvlen, table, offset(c.b, 0);
   case_lengths(c.b, c.t, c.s, c.lens, qlen, kvlen);
+  // The kernel gets kvlen_in; a KV cache's lengths reach it unclamped (the
+  // kernel clamps them to [0, capacity]): ragged cases add one past the
+  // capacity (contiguous: a paged row's capacity holds poisoned slots) and one
+  // below 0.
+  std::vector<int32_t> kvlen_in = kvlen;
   if (kv) {
-    for (int b = 0; b < c.b; ++b) { qlen[b] = c.t; offset[b] = kvlen[b] - c.t / c.kv_pack; }
+    if (c.lens && c.b > 1) {
+      kvlen_in[c.b - 1] = -3;
+      if (!paged) { kvlen_in[0] = c.s + 50; }
+    }
+    for (int b = 0; b < c.b; ++b) {
+      kvlen[b] = std::min(std::max(kvlen_in[b], 0), c.s);
+      qlen[b] = c.t;
+      offset[b] = kvlen[b] - c.t / c.kv_pack;
+    }
   }
   if (paged) {  // a shuffled table over all but two pages; those two hold NaN
     table.resize(size_t(c.b) * ppr);
@@ -112,7 +125,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
     return ((page * c.kv_page + j % c.kv_page) * c.kh + h) * w;
   };
 
-  void *dq, *dk, *dV, *dout; float *dlse, *dsinks = nullptr; int32_t *dql, *dkl, *doff = nullptr, *dtab = nullptr;
+  void *dq, *dk, *dV, *dout; float *dlse, *dsinks = nullptr; int32_t *dql, *dkl, *dtab = nullptr;
   std::vector<float> hsinks(c.n);
   for (int h = 0; h < c.n; ++h) hsinks[h] = sink_of(h);
   if (c.sinks) {
@@ -136,11 +149,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   CHECK_CUDA(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dV, hv.data(), nv * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dql, qlen.data(), c.b * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dkl, kvlen.data(), c.b * 4, cudaMemcpyHostToDevice));
-  if (kv) {
-    CHECK_CUDA(cudaMalloc((void**)&doff, c.b * 4));
-    CHECK_CUDA(cudaMemcpy(doff, offset.data(), c.b * 4, cudaMemcpyHostToDevice));
-  }
+  CHECK_CUDA(cudaMemcpy(dkl, kvlen_in.data(), c.b * 4, cudaMemcpyHostToDevice));
   if (paged) {
     CHECK_CUDA(cudaMalloc((void**)&dtab, table.size() * 4));
     CHECK_CUDA(cudaMemcpy(dtab, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
@@ -148,7 +157,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   const check_util::Bias bias(c.bias, c.b, c.n, c.t, c.s, rng, bf16, /*nan_pad=*/true, /*with_grad=*/false);
   auto free_all = [&] {
     cudaFree(dq); cudaFree(dk); cudaFree(dV); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
-    cudaFree(dsinks); cudaFree(doff); cudaFree(dtab);
+    cudaFree(dsinks); cudaFree(dtab);
   };
 
   jax_fa3::FwdParams p;
@@ -157,7 +166,8 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   p.b = c.b; p.t = c.t; p.s = paged ? ppr * c.kv_page : c.s; p.n = c.n; p.kh = c.kh; p.d = d; p.dv = dv;
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
-  p.q_offset = doff; p.num_splits = ns;
+  p.bottom_right = kv; p.num_splits = ns;
+  if (kv) { p.q_lens = nullptr; }  // as the KV-cache handler: every row valid
   p.heads_major = c.heads_major;
   while (kv && (1 << p.q_pack_log2) < c.kv_pack) { ++p.q_pack_log2; }
   if (paged) { p.pages = {dtab, ppr, c.kv_page, num_pages}; }
@@ -330,20 +340,17 @@ int time_decode(const std::string& spec, bool bf16, const char* variant, int ite
   std::vector<uint16_t> host(nk);
   NormalRng rng(7);
   fill_normal(host, rng, bf16);
-  void *q, *k, *v, *o; float* lse; int32_t *ql, *kl, *off;
+  void *q, *k, *v, *o; float* lse; int32_t* kl;
   CHECK_CUDA(cudaMalloc(&q, nq * 2)); CHECK_CUDA(cudaMalloc(&k, nk * 2)); CHECK_CUDA(cudaMalloc(&v, nk * 2));
   CHECK_CUDA(cudaMalloc(&o, nq * splits * 2));
   CHECK_CUDA(cudaMalloc((void**)&lse, nq / d * splits * 4));
   for (void* x : {k, v}) CHECK_CUDA(cudaMemcpy(x, host.data(), nk * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(q, host.data(), nq * 2, cudaMemcpyHostToDevice));
-  std::vector<int32_t> hq(b, g), hk(b, l), ho(b, l - 1);
-  CHECK_CUDA(cudaMalloc((void**)&ql, b * 4)); CHECK_CUDA(cudaMalloc((void**)&kl, b * 4));
-  CHECK_CUDA(cudaMalloc((void**)&off, b * 4));
-  CHECK_CUDA(cudaMemcpy(ql, hq.data(), b * 4, cudaMemcpyHostToDevice));
+  std::vector<int32_t> hk(b, l);
+  CHECK_CUDA(cudaMalloc((void**)&kl, b * 4));
   CHECK_CUDA(cudaMemcpy(kl, hk.data(), b * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(off, ho.data(), b * 4, cudaMemcpyHostToDevice));
   jax_fa3::FwdParams p;
-  p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse; p.q_lens = ql; p.kv_lens = kl; p.q_offset = off;
+  p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse; p.q_lens = nullptr; p.kv_lens = kl; p.bottom_right = true;
   p.b = b; p.t = g; p.s = l; p.n = kh; p.kh = kh; p.d = d; p.dv = d;
   while ((1 << p.q_pack_log2) < g) { ++p.q_pack_log2; }
   p.num_splits = splits;
@@ -354,7 +361,7 @@ int time_decode(const std::string& spec, bool bf16, const char* variant, int ite
   std::printf("decode %s b%d l%d kh%d d%d g%d splits=%d variant=%s: %.4f ms  %.0f GB/s\n", bf16 ? "bf16" : "fp16",
               b, l, kh, d, g, splits, variant, ms, 2.0 * nk * 2 / ms * 1e-6);
   for (void* x : {q, k, v, o}) cudaFree(x);
-  cudaFree(lse); cudaFree(ql); cudaFree(kl); cudaFree(off);
+  cudaFree(lse); cudaFree(kl);
   return 0;
 }
 
