@@ -9,6 +9,10 @@ reported, not timed):
   ``jax_fa3_paged`` (the same cache in pages of ``--page-size`` through a
   shuffled page table, or an identity one with ``--page-order sequential``;
   a list of page sizes adds ``jax_fa3_paged<size>`` for the others);
+* ``jax_fa3_append`` / ``jax_fa3_paged_append``: a serving loop's step, the
+  query's keys and values appended first (``k_new``/``v_new``; the row at
+  position ``L - 1`` rewritten with its own values, so the answer is the
+  read-only one) with the caches donated and carried from call to call;
 * ``fa3ref``: the Dao-AILab FA3 KV-cache kernel
   (``flash_attn3_jax.kvcache.flash_mha_with_kvcache``), when importable;
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with
@@ -99,6 +103,49 @@ def _paged_name(page_sizes, i):
   return "jax_fa3_paged" if i == 0 else f"jax_fa3_paged{page_sizes[i]}"
 
 
+def _appending(jax_fa3, q, k_cache, v_cache, lens, k, v, table):
+  """``(out, k_cache, v_cache)`` of a decode step that first appends, at
+  position ``lens - 1``, the keys and values the contiguous ``k, v`` hold
+  there."""
+  import jax.numpy as jnp
+  Tq = q.shape[1]
+  at = (lens[:, None] - Tq + jnp.arange(Tq)[None])[..., None, None]
+  k_new = jnp.take_along_axis(k, at, axis=1)
+  v_new = jnp.take_along_axis(v, at, axis=1)
+  return jax_fa3.attention_with_kvcache(q, k_cache, v_cache, lens - Tq, k_new=k_new,
+                                        v_new=v_new, page_table=table)
+
+
+APPENDING = ("jax_fa3_append", "jax_fa3_paged_append")
+# Which of make_point's arrays an appending impl carries: (k, v) or a page size's pools.
+_CARRIED = {"jax_fa3_append": (1, 2), "jax_fa3_paged_append": (5, 6)}
+
+
+class CarriedCaches:
+  """A step whose caches are donated and carried from call to call, as a
+  serving loop holds them (no copy of a cache per call): calls take
+  make_point's arrays and use their own copies of the carried ones."""
+
+  def __init__(self, name, fn, args):
+    import jax
+    import jax.numpy as jnp
+    self.slots = _CARRIED[name]
+    self.state = [jnp.copy(args[i]) for i in self.slots]
+    slots = self.slots
+
+    def step(*xs):
+      out, kc, vc = fn(*xs)
+      return out, (kc, vc)
+    self.step = jax.jit(step, donate_argnums=slots)
+
+  def __call__(self, *args):
+    args = list(args)
+    for i, x in zip(self.slots, self.state):
+      args[i] = x
+    out, self.state = self.step(*args)
+    return out
+
+
 def _impls(names, page_sizes):
   """name -> fn(q, k_cache, v_cache, lens, *pages), pages: (table,
   pool_k, pool_v) per page size."""
@@ -113,6 +160,12 @@ def _impls(names, page_sizes):
       impls[_paged_name(page_sizes, i)] = (
           lambda q, k, v, lens, *pg, i=i: jax_fa3.attention_with_kvcache(
               q, pg[3 * i + 1], pg[3 * i + 2], lens, page_table=pg[3 * i]))
+  if "jax_fa3_append" in names:
+    impls["jax_fa3_append"] = lambda q, k, v, lens, *pg: _appending(
+        jax_fa3, q, k, v, lens, k, v, None)
+  if "jax_fa3_paged_append" in names:
+    impls["jax_fa3_paged_append"] = lambda q, k, v, lens, *pg: _appending(
+        jax_fa3, q, pg[1], pg[2], lens, k, v, pg[0])
   if "fa3ref" in names:
     try:
       from flash_attn3_jax.kvcache import flash_mha_with_kvcache
@@ -148,7 +201,8 @@ def check(name, fn, args):
   import jax.numpy as jnp
   q, k, v, lens = args[:4]
   try:
-    got = np.asarray(jax.jit(fn)(*args), np.float32)
+    got = jax.jit(fn)(*args)
+    got = np.asarray(got[0] if isinstance(got, tuple) else got, np.float32)  # appending: (out, caches)
   except Exception as e:  # noqa: BLE001 - report, do not time
     return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
   exact = reference(q, k, v, lens)
@@ -208,7 +262,8 @@ def main(argv=None):
         if why:
           print(f"{batch}x{length} tq={tq} {name}: not timed ({why})")
           continue
-        timers.update(bench.regime_timers((name,), jax.jit(fn), [args]))
+        timed = CarriedCaches(name, fn, args) if name in APPENDING else jax.jit(fn)
+        timers.update(bench.regime_timers((name,), timed, [args]))
       times = bench.interleaved_times(timers, a.reps)
       nbytes = kv_bytes(batch, length, a.kv_heads, a.hdim)
       for (name, regime), ts in times.items():

@@ -268,10 +268,19 @@ def test_decode_bench_pages_points_and_check(cpu_backend):
   assert d.check("ref", lambda q, k, v, lens, *_: d.reference(q, k, v, lens), args) is None
   wrong = lambda q, k, v, lens, *_: d.reference(q, k, v, lens - 1)  # noqa: E731
   assert d.check("wrong", wrong, args) is not None
-  impls = d._impls(["jax_fa3_paged"], [64, 32])
-  assert sorted(impls) == ["jax_fa3_paged", "jax_fa3_paged32"]
+  impls = d._impls(["jax_fa3_paged", "jax_fa3_append", "jax_fa3_paged_append"], [64, 32])
+  assert sorted(impls) == ["jax_fa3_append", "jax_fa3_paged", "jax_fa3_paged32",
+                           "jax_fa3_paged_append"]
   for fn in impls.values():
     assert d.check("pure JAX", fn, args) is None
+  # An appending step carries its own caches: repeated calls rewrite the
+  # same rows, so they keep giving the read-only answer, and the arrays
+  # passed in are never donated.
+  for name in d.APPENDING:
+    step = d.CarriedCaches(name, impls[name], args)
+    first, second = step(*args), step(*args)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+    assert not any(x.is_deleted() for x in args)
 
 
 def _mask_bias_bench():
