@@ -156,9 +156,9 @@ def kvcache_fwd(q, k_cache, v_cache, kv_lens, page_table, *,
   split-KV parts of attention on a cache (:func:`reference.kvcache_fwd`),
   every query row valid and aligned bottom-right to ``kv_lens`` (clamped to
   the capacity inside, so a caller's cache lengths pass as they are and a
-  decode step compiles to this call alone); ``page_table``
-  int32 ``[B, pages]``, or ``[B, 0]`` for a contiguous cache.  ``heads_major``: q is ``[B, N, T, H]`` and out ``[B, num_splits,
-  N, T, H]``."""
+  decode step compiles to this call alone); ``page_table`` int32 ``[B,
+  pages]``, or ``[B, 0]`` for a contiguous cache.  ``heads_major``: q is
+  ``[B, N, T, H]`` and out ``[B, num_splits, N, T, H]``."""
   return tuple(kvcache_fwd_p.bind(
       q, k_cache, v_cache, kv_lens, page_table,
       scale=float(scale), softcap=float(softcap),

@@ -271,13 +271,12 @@ def kvcache_fwd(q, k, v, kv_lens, page_table, *, scale,
   (bottom-right, ``L`` = ``kv_lens`` clamped to ``[0, S]``); ``k, v`` a
   contiguous ``[B,S,K,H]`` cache, or pages ``[P, page_size, K, H]`` that
   ``page_table [B, pages]`` maps (``[B, 0]``: contiguous; page ids clamped
-  to the pool).  Returns
-  ``(out [B, Z, T, N, H], lse [B, Z, N, T])`` for ``Z = num_splits`` parts
-  of the keys, each normalized over its own keys (a part with none: 0 and
-  ``+inf``); here part ``z`` holds positions ``[z c, (z + 1) c)``, ``c =
-  ceil(S / Z)`` (the kernel splits by key blocks: any partition merges to
-  the same result).  ``heads_major``: q ``[B, N, T, H]`` and out ``[B, Z, N,
-  T, H]``."""
+  to the pool).  Returns ``(out [B, Z, T, N, H], lse [B, Z, N, T])`` for
+  ``Z = num_splits`` parts of the keys, each normalized over its own keys
+  (a part with none: 0 and ``+inf``); here part ``z`` holds positions
+  ``[z c, (z + 1) c)``, ``c = ceil(S / Z)`` (the kernel splits by key
+  blocks: any partition merges to the same result).  ``heads_major``: q
+  ``[B, N, T, H]`` and out ``[B, Z, N, T, H]``."""
   if heads_major:
     out, lse = kvcache_fwd(
         q.transpose(0, 2, 1, 3), k, v, kv_lens, page_table,
