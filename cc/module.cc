@@ -16,6 +16,7 @@
 extern "C" {
 void* jax_fa3_fwd_handler();
 void* jax_fa3_kvcache_fwd_handler();
+void* jax_fa3_kvcache_append_handler();
 int jax_fa3_num_fwd_kernels();
 int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim);
 int jax_fa3_fwd_kernel_value_dim(int i);
@@ -40,6 +41,7 @@ struct Target {
 constexpr Target kTargets[] = {
     {"jax_fa3_fwd", jax_fa3_fwd_handler},
     {"jax_fa3_kvcache_fwd", jax_fa3_kvcache_fwd_handler},
+    {"jax_fa3_kvcache_append", jax_fa3_kvcache_append_handler},
     {"jax_fa3_bwd", jax_fa3_bwd_handler},
     {"jax_fa3_fp8_quantize", jax_fa3_fp8_quantize_handler},
     {"jax_fa3_fp8_fwd", jax_fa3_fp8_fwd_handler},

@@ -30,9 +30,12 @@ kernels on the cache in place: a kv head's ``G = N / K`` query heads are
 stacked as ``Tq * G`` rows of one tile (GQA packing: one K/V read serves the
 group), the page table is resolved per key block, and with few tiles per SM
 the keys are split into ``num_splits`` parts (split-KV) whose partial
-results merge by their log-sum-exp.  Other dtypes and page sizes take the
-pure-JAX path, which gathers the row's pages into a dense ``[B, capacity,
-K, H]`` view (fine for tests and moderate caches, not production decode).
+results merge by their log-sum-exp.  ``k_new`` / ``v_new`` are written by a
+copy kernel whose results alias the caches (donated under ``jit``: no copy of
+a cache), and the attention kernel adds the new rows to the clamped lengths.
+Other dtypes and page sizes take the pure-JAX path, which gathers the row's
+pages into a dense ``[B, capacity, K, H]`` view (fine for tests and moderate
+caches, not production decode).
 Groups of a size that is not a power of two are not packed (each query head
 is its own tile row; the kernel maps it to its kv head).
 """
@@ -43,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa3 import _validate as V
-from jax_fa3 import sharding
+from jax_fa3 import reference, sharding
 
 __all__ = ["attention_with_kvcache", "KEY_BLOCK"]
 
@@ -94,11 +97,11 @@ def _merge_splits(out, lse):
 
 
 def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
-                      causal, window, softcap, num_splits):
+                      causal, window, softcap, num_splits, new_rows):
   """The kernel path: a GQA group's query heads packed as rows of their kv
-  head (sharding.kvcache_fwd), positions ``lengths - Tq + i`` (bottom-right;
-  the kernel clamps ``lengths`` to the capacity and derives the positions,
-  so a decode step runs the custom call alone)."""
+  head (sharding.kvcache_fwd), ``L = min(clip(lengths) + new_rows, capacity)``
+  keys, positions ``L - Tq + i`` (bottom-right; the kernel clamps and derives
+  them, so a decode step runs the custom call alone)."""
   B, Tq, N, H = q.shape
   K = k_cache.shape[2]
   G = N // K
@@ -114,7 +117,8 @@ def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
   pt = page_table if paged else jnp.zeros((B, 0), jnp.int32)
   out, lse = sharding.kvcache_fwd(
       q, k_cache, v_cache, lengths, pt, scale=scale, softcap=softcap,
-      window_left=left, window_right=right, q_pack=pack, num_splits=ns)
+      window_left=left, window_right=right, q_pack=pack, num_splits=ns,
+      new_rows=new_rows)
   return _merge_splits(out, lse)
 
 
@@ -145,33 +149,12 @@ def _check_cache(k_cache, v_cache, page_table, B, K, H):
   return True, pt.shape[1] * page_size, page_size
 
 
-def _positions(pt, paged, page_size, num_pages, pos):
-  """(first index, second index) of positions ``pos [B, L]`` in the cache."""
-  if not paged:
-    b = jnp.broadcast_to(jnp.arange(pos.shape[0])[:, None], pos.shape)
-    return b, pos
-  page = jnp.take_along_axis(pt, jnp.clip(pos // page_size, 0, pt.shape[1] - 1),
-                             axis=1)
-  return jnp.clip(page, 0, num_pages - 1), pos % page_size
-
-
-def _append(cache, new, pt, paged, page_size, seqlens, capacity):
-  """Writes ``new [B, Tq, K, H]`` at positions ``seqlens + i``; rows past the
-  capacity are dropped."""
-  B, Tq = new.shape[:2]
-  pos = seqlens[:, None] + jnp.arange(Tq, dtype=jnp.int32)[None]
-  i0, i1 = _positions(pt, paged, page_size, cache.shape[0], pos)
-  # Out-of-range rows get an index past the end, which mode="drop" ignores.
-  i0 = jnp.where(pos < capacity, i0, cache.shape[0])
-  return cache.at[i0, i1].set(new.astype(cache.dtype), mode="drop")
-
-
-def _gather(cache, pt, paged, page_size, capacity, B):
+def _gather(cache, pt, page_size, capacity, B):
   """The dense ``[B, capacity, K, H]`` view of the cache."""
-  if not paged:
+  if pt is None:
     return cache
   pos = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32)[None], (B, capacity))
-  i0, i1 = _positions(pt, paged, page_size, cache.shape[0], pos)
+  i0, i1 = reference.cache_slots(pt, page_size, cache.shape[0], pos)
   return cache[i0, i1]
 
 
@@ -278,22 +261,23 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   sl = sl.astype(jnp.int32)
   pt = None if page_table is None else jnp.asarray(page_table, jnp.int32)
   k_cache, v_cache = kc, V.as_array(v_cache, "v_cache")
+  new_rows = 0
   if k_new is not None:
-    sl = jnp.clip(sl, 0, capacity)
-    k_cache = _append(k_cache, k_new, pt, paged, page_size, sl, capacity)
-    v_cache = _append(v_cache, v_new, pt, paged, page_size, sl, capacity)
-    lengths = jnp.minimum(sl + Tq, capacity)
-  else:
-    lengths = sl  # clamped by the kernel or below
+    # In place (the results alias the caches); rows land at clip(sl) + i.
+    k_cache, v_cache = sharding.kvcache_append(
+        k_new, v_new, k_cache, v_cache, sl,
+        jnp.zeros((B, 0), jnp.int32) if pt is None else pt)
+    new_rows = Tq
   if _kernel_path(q, paged, page_size):
-    out = _kernel_attention(q, k_cache, v_cache, lengths, pt, scale=scale,
+    out = _kernel_attention(q, k_cache, v_cache, sl, pt, scale=scale,
                             causal=causal, window=window, softcap=softcap,
-                            num_splits=num_splits)
+                            num_splits=num_splits, new_rows=new_rows)
   else:
-    k = _gather(k_cache, pt, paged, page_size, capacity, B)
-    v = _gather(v_cache, pt, paged, page_size, capacity, B)
-    out = _reference(q, k, v, jnp.clip(lengths, 0, capacity), scale=scale,
-                     causal=causal, window=window, softcap=softcap)
+    k = _gather(k_cache, pt, page_size, capacity, B)
+    v = _gather(v_cache, pt, page_size, capacity, B)
+    lengths = jnp.minimum(jnp.clip(sl, 0, capacity) + new_rows, capacity)
+    out = _reference(q, k, v, lengths, scale=scale, causal=causal,
+                     window=window, softcap=softcap)
   if k_new is None:
     return out
   return out, k_cache, v_cache

@@ -11,6 +11,8 @@ batching rule.
 * ``kvcache_fwd_p``: the forward kernels on a KV cache (packed GQA rows,
   bottom-right positions, paged caches, split-KV parts) -> FFI
   ``jax_fa3_kvcache_fwd`` (:mod:`jax_fa3.kvcache` merges the parts).
+* ``kvcache_append_p``: new keys and values written into a KV cache in place
+  -> FFI ``jax_fa3_kvcache_append`` (results alias the caches).
 
 On CUDA they lower to the FFI custom calls (the contract is in ``cc/ffi``).
 On every other platform they lower to pure JAX (:mod:`jax_fa3.reference`;
@@ -53,6 +55,7 @@ BWD_TARGET = "jax_fa3_bwd"
 FP8_QUANT_TARGET = "jax_fa3_fp8_quantize"
 FP8_FWD_TARGET = "jax_fa3_fp8_fwd"
 KVCACHE_TARGET = "jax_fa3_kvcache_fwd"
+KVCACHE_APPEND_TARGET = "jax_fa3_kvcache_append"
 
 _F32 = jnp.float32
 _E4M3 = jnp.float8_e4m3fn
@@ -71,6 +74,7 @@ fa3_bwd_p = _primitive("fa3_bwd")
 fp8_quantize_p = _primitive("fp8_quantize")
 fp8_fwd_p = _primitive("fp8_fwd")
 kvcache_fwd_p = _primitive("kvcache_fwd")
+kvcache_append_p = _primitive("kvcache_append")
 
 
 # ------------------------------------------------------------------ binders
@@ -151,20 +155,31 @@ def fp8_fwd(q8, k8, v8, q_scale, k_scale, v_scale, q_lens, kv_lens, pairs=None,
 
 def kvcache_fwd(q, k_cache, v_cache, kv_lens, page_table, *,
                 scale, softcap=0.0, window_left=-1, window_right=-1, q_pack=1,
-                num_splits=1, heads_major=False):
+                num_splits=1, heads_major=False, new_rows=0):
   """``(out [B, num_splits, T, N, H], lse f32 [B, num_splits, N, T])``: the
   split-KV parts of attention on a cache (:func:`reference.kvcache_fwd`),
   every query row valid and aligned bottom-right to ``kv_lens`` (clamped to
   the capacity inside, so a caller's cache lengths pass as they are and a
-  decode step compiles to this call alone); ``page_table`` int32 ``[B,
-  pages]``, or ``[B, 0]`` for a contiguous cache.  ``heads_major``: q is
-  ``[B, N, T, H]`` and out ``[B, num_splits, N, T, H]``."""
+  decode step compiles to this call alone; ``new_rows`` appended ahead of
+  the call add to the clamped lengths, capped at the capacity);
+  ``page_table`` int32 ``[B, pages]``, or ``[B, 0]`` for a contiguous
+  cache.  ``heads_major``: q is ``[B, N, T, H]`` and out ``[B, num_splits,
+  N, T, H]``."""
   return tuple(kvcache_fwd_p.bind(
       q, k_cache, v_cache, kv_lens, page_table,
       scale=float(scale), softcap=float(softcap),
       window_left=int(window_left), window_right=int(window_right),
       q_pack=int(q_pack), num_splits=int(num_splits),
-      heads_major=bool(heads_major)))
+      heads_major=bool(heads_major), new_rows=int(new_rows)))
+
+
+def kvcache_append(k_new, v_new, k_cache, v_cache, seqlens, page_table):
+  """``(k_cache, v_cache)`` with ``k_new, v_new [B, Tq, K, H]`` written at
+  positions ``clip(seqlens, 0, capacity) + i`` (:func:`reference.kvcache_append`);
+  on the kernels the results alias the caches (donated caches update in
+  place)."""
+  return tuple(kvcache_append_p.bind(k_new, v_new, k_cache, v_cache, seqlens,
+                                     page_table))
 
 
 # ------------------------------------------------------------ abstract eval
@@ -225,6 +240,10 @@ def _kvcache_shapes(q, *_, num_splits, heads_major, **__):
           _sds((b, num_splits, heads, rows), _F32))
 
 
+def _append_shapes(k_new, v_new, k_cache, v_cache, *_):
+  return (_sds(k_cache.shape, k_cache.dtype), _sds(v_cache.shape, v_cache.dtype))
+
+
 def _abstract(shapes_fn):
   def rule(*avals, **params):
     return [jax.core.ShapedArray(s.shape, s.dtype)
@@ -237,6 +256,7 @@ fa3_bwd_p.def_abstract_eval(_abstract(_bwd_shapes))
 fp8_quantize_p.def_abstract_eval(_abstract(_quantize_shapes))
 fp8_fwd_p.def_abstract_eval(_abstract(_fp8_fwd_shapes))
 kvcache_fwd_p.def_abstract_eval(_abstract(_kvcache_shapes))
+kvcache_append_p.def_abstract_eval(_abstract(_append_shapes))
 
 
 # ------------------------------------------------------------------ lowering
@@ -302,10 +322,10 @@ def _fp8_fwd_attrs(scale, window_left, window_right, out_dtype,
               v_transposed=np.int32(v_transposed))
 
 
-def _kvcache_attrs(q_pack, num_splits, heads_major, **attrs):
+def _kvcache_attrs(q_pack, num_splits, heads_major, new_rows, **attrs):
   return dict(_fwd_attrs(**attrs), q_pack=np.int32(q_pack),
               num_splits=np.int32(num_splits),
-              heads_major=np.int32(heads_major))
+              heads_major=np.int32(heads_major), new_rows=np.int32(new_rows))
 
 
 def bwd_kernel_available(dtype, head_dim, value_head_dim=None) -> bool:
@@ -403,6 +423,31 @@ def _kvcache_cuda(ctx, *args, **params):
 
 mlir.register_lowering(kvcache_fwd_p, _kvcache_reference)
 mlir.register_lowering(kvcache_fwd_p, _kvcache_cuda, platform="cuda")
+
+
+def _append_kernel_call(k_new, v_new, k_cache, v_cache, seqlens, page_table):
+  return jax.ffi.ffi_call(
+      KVCACHE_APPEND_TARGET, _append_shapes(k_new, v_new, k_cache, v_cache),
+      input_output_aliases={2: 0, 3: 1})(k_new, v_new, k_cache, v_cache,
+                                          seqlens, page_table)
+
+
+_append_kernel = mlir.lower_fun(_append_kernel_call, multiple_results=True)
+_append_reference = mlir.lower_fun(reference.kvcache_append,
+                                   multiple_results=True)
+
+
+def _append_cuda(ctx, *args):
+  # The copy is dtype-blind: any compiled library serves a cache whose rows
+  # are whole 16-byte chunks.
+  c = ctx.avals_in[2]
+  if _native.compiled_configs() and (c.shape[-1] * np.dtype(c.dtype).itemsize) % 16 == 0:
+    return _append_kernel(ctx, *args)
+  return _append_reference(ctx, *args)
+
+
+mlir.register_lowering(kvcache_append_p, _append_reference)
+mlir.register_lowering(kvcache_append_p, _append_cuda, platform="cuda")
 mlir.register_lowering(fa3_fwd_p, mlir.lower_fun(_reference_fwd,
                                                  multiple_results=True))
 mlir.register_lowering(fa3_bwd_p, _bwd_reference)

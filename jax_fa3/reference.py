@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_bwd_with_dbias",
-           "kvcache_fwd",
+           "kvcache_fwd", "kvcache_append", "cache_slots",
            "reference_attention", "varying_like", "summed_like"]
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -261,14 +261,46 @@ def attention_fwd(q, k, v, q_lens, kv_lens, *, scale, softcap=0.0,
   return out, lse.reshape(B, st.N, T)
 
 
+def cache_slots(page_table, page_size, num_pages, pos):
+  """(first index, second index) of positions ``pos [B, L]`` in a cache:
+  ``(b, pos)`` when ``page_table`` is ``[B, 0]`` (contiguous), else (page,
+  slot), page ids clamped to the pool."""
+  if not page_table.shape[1]:
+    b = jnp.broadcast_to(jnp.arange(pos.shape[0])[:, None], pos.shape)
+    return b, pos
+  col = jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)
+  page = jnp.take_along_axis(page_table, col, axis=1)
+  return jnp.clip(page, 0, num_pages - 1), pos % page_size
+
+
+def kvcache_append(k_new, v_new, k_cache, v_cache, seqlens, page_table):
+  """The append kernel (``primitives.kvcache_append``) in pure JAX: row ``i``
+  of ``k_new, v_new [B, Tq, K, H]`` lands at position ``clip(seqlens, 0, C)
+  + i`` of its batch row (capacity ``C``: ``S`` of a contiguous ``[B, S, K,
+  H]`` cache, ``pages * page_size`` of a paged one); rows past ``C`` are
+  dropped."""
+  paged = page_table.shape[1] > 0
+  ps = k_cache.shape[1]
+  cap = page_table.shape[1] * ps if paged else ps
+  Tq = k_new.shape[1]
+  pos = (jnp.clip(seqlens, 0, cap)[:, None]
+         + jnp.arange(Tq, dtype=jnp.int32)[None])
+  i0, i1 = cache_slots(page_table, ps, k_cache.shape[0], pos)
+  # Rows past the capacity get an index past the end, which mode="drop" ignores.
+  i0 = jnp.where(pos < cap, i0, k_cache.shape[0])
+  return (k_cache.at[i0, i1].set(k_new.astype(k_cache.dtype), mode="drop"),
+          v_cache.at[i0, i1].set(v_new.astype(v_cache.dtype), mode="drop"))
+
+
 def kvcache_fwd(q, k, v, kv_lens, page_table, *, scale,
                 softcap, window_left, window_right, q_pack, num_splits,
-                heads_major=False):
+                heads_major=False, new_rows=0):
   """The KV-cache kernel call (``primitives.kvcache_fwd``) in pure JAX.
 
   ``q [B,T,N,H]``, every row valid: row ``i`` of batch ``b`` sits at
   position ``L[b] - T // q_pack + i // q_pack`` for the window rule
-  (bottom-right, ``L`` = ``kv_lens`` clamped to ``[0, S]``); ``k, v`` a
+  (bottom-right, ``L`` = ``kv_lens`` clamped to ``[0, S]``, plus
+  ``new_rows`` capped at ``S``); ``k, v`` a
   contiguous ``[B,S,K,H]`` cache, or pages ``[P, page_size, K, H]`` that
   ``page_table [B, pages]`` maps (``[B, 0]``: contiguous; page ids clamped
   to the pool).  Returns ``(out [B, Z, T, N, H], lse [B, Z, N, T])`` for
@@ -281,7 +313,8 @@ def kvcache_fwd(q, k, v, kv_lens, page_table, *, scale,
     out, lse = kvcache_fwd(
         q.transpose(0, 2, 1, 3), k, v, kv_lens, page_table,
         scale=scale, softcap=softcap, window_left=window_left,
-        window_right=window_right, q_pack=q_pack, num_splits=num_splits)
+        window_right=window_right, q_pack=q_pack, num_splits=num_splits,
+        new_rows=new_rows)
     return out.transpose(0, 1, 3, 2, 4), lse
   B, T, N, H = q.shape
   if page_table.shape[1]:
@@ -296,7 +329,7 @@ def kvcache_fwd(q, k, v, kv_lens, page_table, *, scale,
   if softcap:
     s = softcap * jnp.tanh(s / softcap)
   row = jnp.arange(T, dtype=jnp.int32)
-  kv_len = jnp.clip(kv_lens, 0, S)
+  kv_len = jnp.minimum(jnp.clip(kv_lens, 0, S) + new_rows, S)
   qpos = (kv_len - T // q_pack)[:, None] + row[None] // q_pack    # [B, T]
   j = jnp.arange(S, dtype=jnp.int32)
   vis = jnp.broadcast_to(j[None, None] < kv_len[:, None, None], (B, T, S))

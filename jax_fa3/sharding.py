@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_fa3 import primitives, ring, pair_rule, reference
 
 __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd",
-           "kvcache_fwd"]
+           "kvcache_fwd", "kvcache_append"]
 
 # Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
 # SEG: the four pair-rule operands (_pair_rule_factors); SNK: the sinks [N]
@@ -65,6 +65,7 @@ _V_LAYOUT = {False: "b s k h", True: "b k h z"}
 # contiguous cache follows the batch, a paged pool (c pages) is whole on
 # every batch shard; z: split parts.
 _KVCACHE_RULE = "b t Q h, C s k h, C s k h, b, b p -> b z t Q h, b z Q t"
+_APPEND_RULE = "b t k h, b t k h, C s k h, C s k h, b, b p -> C s k h, C s k h"
 _SEQ_FREE = ("h", "v", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l", "o")
 _SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
 
@@ -385,14 +386,15 @@ def _fp8_fwd_partition(scale, window_left, window_right, out_dtype,
 # ------------------------------------------------------------- KV caches
 def _kvcache_impl(q, k_cache, v_cache, kv_lens, page_table,
                   scale, softcap, window_left, window_right, q_pack,
-                  num_splits):
+                  num_splits, new_rows):
   """``q [B, T, N, H]`` -> ``(out [B, Z, T, N, H], lse [B, Z, N, T])``.  With
   ``q_pack`` > 1 a kv head's group of query heads runs as its ``T * q_pack``
   rows, which the kernel reads heads-major (``[B, K, T * q_pack, H]``): for
   a decode step (T = 1) that is q as it lies, and out and lse come back in
   place too (the transposes below move only size-1 axes)."""
   kw = dict(scale=scale, softcap=softcap, window_left=window_left,
-            window_right=window_right, q_pack=q_pack, num_splits=num_splits)
+            window_right=window_right, q_pack=q_pack, num_splits=num_splits,
+            new_rows=new_rows)
   if q_pack == 1:
     return primitives.kvcache_fwd(q, k_cache, v_cache, kv_lens, page_table,
                                   **kw)
@@ -417,13 +419,39 @@ def _kvcache_shardings(plan, paged):
 
 
 def _kvcache_partition(scale, softcap, window_left, window_right, q_pack,
-                       num_splits, mesh, arg_shapes, result_shape):
+                       num_splits, new_rows, mesh, arg_shapes, result_shape):
   plan = _plan(arg_shapes, mesh, ring=False)
   outs, args = _kvcache_shardings(plan, arg_shapes[4].shape[1] > 0)
   local = partial(_kvcache_impl, scale=scale, softcap=softcap,
                   window_left=window_left, window_right=window_right,
-                  q_pack=q_pack, num_splits=num_splits)
+                  q_pack=q_pack, num_splits=num_splits, new_rows=new_rows)
   return plan.mesh, local, outs, args
+
+
+# The append: the new rows [B, Tq, K, H] play q's part in the plan (their
+# heads are the cache's), so the caches shard as the attention call's. A
+# paged pool is whole on every batch shard, so each shard writes every
+# row's new keys (a few KB gathered) and the copies stay equal.
+def _append_shardings(plan, paged):
+  b, n = _entry(plan.b), _entry(plan.n)
+  if paged:
+    cache, new = plan.ns(None, None, n, None), plan.ns(None, None, n, None)
+    return (cache, cache), (new, new, cache, cache, plan.ns(None),
+                            plan.ns(None, None))
+  return (plan.kv, plan.kv), (plan.q, plan.q, plan.kv, plan.kv, plan.lens,
+                              plan.ns(b, None))
+
+
+def _append_partition(mesh, arg_shapes, result_shape):
+  plan = _plan(arg_shapes, mesh, ring=False)
+  outs, args = _append_shardings(plan, arg_shapes[5].shape[1] > 0)
+  return plan.mesh, primitives.kvcache_append, outs, args
+
+
+def _append_rule(ops):
+  paged = ops[5].shape[1] > 0
+  rule = _APPEND_RULE.replace("C", "c" if paged else "b")
+  return _rule(rule, ops, ("t", "h", "s", "p", "c") + (("b",) if paged else ()))
 
 
 def _kvcache_rule(ops, *static):
@@ -501,19 +529,31 @@ _fp8 = _partitioned(
 # batch row, so folding the vmapped axis into the batch would mix the
 # elements' page ids.
 _kvcache = _partitioned(
-    _kvcache_impl, 6, _kvcache_partition,
+    _kvcache_impl, 7, _kvcache_partition,
     lambda plan, *s: _kvcache_shardings(plan, False)[0],
     _kvcache_rule, lambda shapes, *s: dict(ring=False), n_per_batch=0)
+_append = _partitioned(
+    primitives.kvcache_append, 0, _append_partition,
+    lambda plan: _append_shardings(plan, False)[0],
+    _append_rule, lambda shapes: dict(ring=False), n_per_batch=0)
 
 
 def kvcache_fwd(q, k_cache, v_cache, kv_lens, page_table, *,
                 scale, softcap, window_left, window_right, q_pack,
-                num_splits):
+                num_splits, new_rows=0):
   """Partitioned :func:`primitives.kvcache_fwd` -> ``(out, lse)`` (batch and
   kv-head sharding)."""
   return _kvcache(q, k_cache, v_cache, kv_lens, page_table,
                   static=(float(scale), float(softcap), int(window_left),
-                          int(window_right), int(q_pack), int(num_splits)))
+                          int(window_right), int(q_pack), int(num_splits),
+                          int(new_rows)))
+
+
+def kvcache_append(k_new, v_new, k_cache, v_cache, seqlens, page_table):
+  """Partitioned :func:`primitives.kvcache_append` -> ``(k_cache,
+  v_cache)`` (batch and kv-head sharding)."""
+  return _append(k_new, v_new, k_cache, v_cache, seqlens, page_table,
+                 static=())
 
 
 def fa3_fwd(q, k, v, q_lens, kv_lens, scale, softcap, window_left,

@@ -117,6 +117,7 @@ def _run(cfg, *, B=3, Tq=1, heads=(8, 2), cap=1280, paged=True, append=True,
   args = (q, kc, vc, lens, kn, vn, table)
   hlo = f.lower(*args).as_text()
   assert primitives.KVCACHE_TARGET in hlo, "the kernel did not run"
+  assert (primitives.KVCACHE_APPEND_TARGET in hlo) == append, "the append kernel"
   kc_host, vc_host = np.asarray(kc, np.float32), np.asarray(vc, np.float32)
   ekw = {k2: v2 for k2, v2 in dict(causal=kw.get("is_causal", True),
                                    window=kw.get("local_window_size"),
@@ -198,17 +199,21 @@ def test_splits_agree(cfg):
 
 @pytest.mark.parametrize("cfg", PRIMARY, ids=cid)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_decode_step_compiles_to_the_kernel_alone(cfg, paged):
-  # A decode step hands the cache lengths to the kernel as they are (it
-  # clamps them and places the queries itself): no fusion or copy runs
-  # around the custom call, each of which would cost a launch per step (one
-  # part: split-KV adds the merge by design).
+@pytest.mark.parametrize("append", [False, True], ids=["read", "append"])
+def test_decode_step_compiles_to_the_kernels_alone(cfg, paged, append):
+  # A decode step hands the cache lengths to the kernels as they are (they
+  # clamp them; attention places the queries itself) and appends in place
+  # (donated caches): no fusion or copy runs around the custom calls, each of
+  # which would cost a launch per step (one part: split-KV adds the merge by
+  # design).
   dtype_name, H = cfg
   page = 2 * KEY_BLOCK[H] if paged else None
-  q, kc, vc, _, _, lens, table = _setup(0, np_dtype(dtype_name), 4, 1, 32, 8, H,
-                                        4 * KEY_BLOCK[H], page)
-  f = jax.jit(lambda q, kc, vc, lens, table: jax_fa3.attention_with_kvcache(
-      q, kc, vc, lens, page_table=table, num_splits=1))
-  text = f.lower(q, kc, vc, lens, table).compile().as_text()
+  q, kc, vc, kn, vn, lens, table = _setup(0, np_dtype(dtype_name), 4, 1, 32, 8, H,
+                                          4 * KEY_BLOCK[H], page)
+  new = (kn, vn) if append else (None, None)
+  f = jax.jit(lambda q, kc, vc, lens, table, kn, vn: jax_fa3.attention_with_kvcache(
+      q, kc, vc, lens, k_new=kn, v_new=vn, page_table=table, num_splits=1),
+      donate_argnums=(1, 2) if append else ())
+  text = f.lower(q, kc, vc, lens, table, *new).compile().as_text()
   launches = re.findall(r"\b(fusion|copy|custom-call|transpose|broadcast)\(", text)
-  assert launches == ["custom-call"], (launches, text)
+  assert launches == ["custom-call"] * (2 if append else 1), (launches, text)

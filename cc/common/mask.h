@@ -251,7 +251,7 @@ struct QueryBlockMask {
   template <bool PairRule = true, bool Positions = false, class Params>
   CUTE_DEVICE static QueryBlockMask of(const Params& p, int m_block, int batch, int head) {
     const int q_len = p.q_lens != nullptr ? min(p.q_lens[batch], p.t) : p.t;
-    const int kv_len = min(max(p.kv_lens[batch], 0), p.s);
+    const int kv_len = min(min(max(p.kv_lens[batch], 0), p.s) + p.kv_len_add, p.s);
     const int offset = Positions && p.bottom_right ? kv_len - (p.t >> p.q_pack_log2) : 0;
     return QueryBlockMask(m_block, q_len, kv_len, p.window_left, p.window_right,
                           PairRuleView::queries<PairRule>(p, batch, head),

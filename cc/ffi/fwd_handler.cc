@@ -12,6 +12,7 @@
 
 #include "common.h"
 
+#include "../fwd/kv_append.h"
 #include "../fwd/params.h"
 
 namespace jax_fa3 {
@@ -105,7 +106,7 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           ffi::Buffer<ffi::S32> page_table,
                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
                           float softcap, int32_t window_left, int32_t window_right, int32_t q_pack,
-                          int32_t num_splits, int32_t heads_major) {
+                          int32_t num_splits, int32_t heads_major, int32_t new_rows) {
   constexpr const char* who = "jax_fa3_kvcache_fwd";
   DType dtype;
   if (const char* why = bad_operands(q, k, v, *o, &dtype)) { return invalid(who, why); }
@@ -128,8 +129,8 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   if (kv_lens.element_count() != size_t(p.b)) {
     return invalid(who, "kv_lens must have shape [B]");
   }
-  if (q_pack < 1 || (q_pack & (q_pack - 1)) != 0 || num_splits < 1) {
-    return invalid(who, "q_pack must be a power of two and num_splits >= 1");
+  if (q_pack < 1 || (q_pack & (q_pack - 1)) != 0 || num_splits < 1 || new_rows < 0) {
+    return invalid(who, "q_pack must be a power of two, num_splits >= 1, new_rows >= 0");
   }
   auto od = o->dimensions();
   const int64_t o_dim2 = p.heads_major ? p.n : p.t, o_dim3 = p.heads_major ? p.t : p.n;
@@ -142,6 +143,7 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   p.o = o->untyped_data(); p.lse = lse->typed_data();
   p.kv_lens = kv_lens.typed_data();  // every query row is valid (q_lens null)
   p.bottom_right = true;
+  p.kv_len_add = new_rows;
   p.dv = p.d;
   while ((1 << p.q_pack_log2) < q_pack) { ++p.q_pack_log2; }
   p.num_splits = num_splits;
@@ -157,8 +159,64 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   return launch_status(who, e->launch(p, stream));
 }
 
+// k_new / v_new [B, Tq, K, H] into the caches at clamp(seqlens, 0, capacity)
+// + i (kv_append.h); the results alias the cache operands (donated caches are
+// updated in place, no copy).
+ffi::Error KvcacheAppendImpl(cudaStream_t stream, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                             ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> seqlens,
+                             ffi::Buffer<ffi::S32> page_table, ffi::Result<ffi::AnyBuffer> k_out,
+                             ffi::Result<ffi::AnyBuffer> v_out) {
+  constexpr const char* who = "jax_fa3_kvcache_append";
+  if (!all_rank4(k_cache, v_cache, k_new) || v_new.dimensions().size() != 4) {
+    return invalid(who, "caches and new rows must be rank 4");
+  }
+  auto kd = k_cache.dimensions(), vd = v_cache.dimensions(), nd = k_new.dimensions(), vnd = v_new.dimensions();
+  const auto et = k_cache.element_type();
+  if (v_cache.element_type() != et || k_new.element_type() != et || v_new.element_type() != et ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || !std::equal(nd.begin(), nd.end(), vnd.begin()) ||
+      nd[2] != kd[2] || nd[3] != kd[3]) {
+    return invalid(who, "caches [., ., K, H] and new rows [B, Tq, K, H] must agree in K, H and dtype");
+  }
+  KvAppendParams p;
+  p.b = int(nd[0]); p.tq = int(nd[1]); p.kh = int(nd[2]);
+  p.row_bytes = int(nd[3] * (k_cache.size_bytes() / std::max<size_t>(k_cache.element_count(), 1)));
+  const bool paged = page_table.element_count() != 0;
+  auto pd = page_table.dimensions();
+  if (paged) {
+    if (pd.size() != 2 || pd[0] != p.b) { return invalid(who, "page_table must be [B, pages_per_row]"); }
+    p.pages = {page_table.typed_data(), int(pd[1]), int(kd[1]), int(kd[0])};
+    p.capacity = int(pd[1] * kd[1]);
+  } else {
+    if (kd[0] != p.b) { return invalid(who, "a contiguous cache must have the new rows' batch"); }
+    p.capacity = int(kd[1]);
+  }
+  if (seqlens.element_count() != size_t(p.b)) { return invalid(who, "seqlens must have shape [B]"); }
+  if (p.row_bytes % 16 != 0) { return invalid(who, "a cache row must be a multiple of 16 bytes"); }
+  if (k_out->untyped_data() != k_cache.untyped_data() || v_out->untyped_data() != v_cache.untyped_data()) {
+    return invalid(who, "the results must alias the caches");
+  }
+  p.k_new = k_new.untyped_data(); p.v_new = v_new.untyped_data();
+  p.k_cache = k_out->untyped_data(); p.v_cache = v_out->untyped_data();
+  p.seqlens = seqlens.typed_data();
+  return launch_status(who, launch_kv_append(p, stream));
+}
+
 }  // namespace
 }  // namespace jax_fa3
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3KvcacheAppend, jax_fa3::KvcacheAppendImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // k_new [B, Tq, K, H]
+        .Arg<ffi::AnyBuffer>()         // v_new
+        .Arg<ffi::AnyBuffer>()         // k_cache
+        .Arg<ffi::AnyBuffer>()         // v_cache
+        .Arg<ffi::Buffer<ffi::S32>>()  // seqlens [B], before the append
+        .Arg<ffi::Buffer<ffi::S32>>()  // page_table [B, pages_per_row] or empty
+        .Ret<ffi::AnyBuffer>()         // k_cache, aliased
+        .Ret<ffi::AnyBuffer>(),        // v_cache, aliased
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3KvcacheFwd, jax_fa3::KvcacheFwdImpl,
@@ -177,7 +235,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("window_right")
         .Attr<int32_t>("q_pack")
         .Attr<int32_t>("num_splits")
-        .Attr<int32_t>("heads_major"),
+        .Attr<int32_t>("heads_major")
+        .Attr<int32_t>("new_rows"),  // appended ahead of the call: kv_len = min(clamped kv_lens + new_rows, S)
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -207,6 +266,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 // library is built once and shared by every interpreter version).
 JAX_FA3_EXPORT void* jax_fa3_fwd_handler() { return reinterpret_cast<void*>(JaxFa3Fwd); }
 JAX_FA3_EXPORT void* jax_fa3_kvcache_fwd_handler() { return reinterpret_cast<void*>(JaxFa3KvcacheFwd); }
+JAX_FA3_EXPORT void* jax_fa3_kvcache_append_handler() { return reinterpret_cast<void*>(JaxFa3KvcacheAppend); }
 JAX_FA3_EXPORT int jax_fa3_num_fwd_kernels() { return jax_fa3::kNumFwdKernels; }
 // Reports only default-variant kernels: those are what Python may dispatch to.
 JAX_FA3_EXPORT int jax_fa3_fwd_kernel_config(int i, int* dtype, int* head_dim) {
@@ -231,4 +291,8 @@ JAX_FA3_EXPORT int jax_fa3_fwd_launch(const jax_fa3::FwdParams* p, int dtype, co
   const std::string picked = std::strcmp(variant, "auto") == 0 ? jax_fa3::pick_variant(params, dt) : variant;
   const jax_fa3::FwdKernelEntry* e = jax_fa3::find_kernel(dt, params.d, picked.c_str());
   return e ? int(e->launch(params, stream)) : -1;
+}
+// The append without XLA (cc/tools/fwd_check.cc). Returns 0 or a cudaError_t.
+JAX_FA3_EXPORT int jax_fa3_kv_append_launch(const jax_fa3::KvAppendParams* p, cudaStream_t stream) {
+  return int(jax_fa3::launch_kv_append(*p, stream));
 }

@@ -89,6 +89,9 @@ struct FwdParams {
   // the group).
   bool bottom_right = false;
   int q_pack_log2 = 0;
+  // Rows appended to the cache ahead of this call (kv_append.h): a batch
+  // row's keys are min(clamp(kv_lens[b], 0, s) + kv_len_add, s).
+  int kv_len_add = 0;
   PagedKV pages;
   // Split-KV: each (query block, head, batch) runs as num_splits parts of its
   // key blocks; part s of batch b writes O and LSE of batch b * num_splits + s

@@ -26,11 +26,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include "../fwd/kv_append.h"
 #include "../fwd/params.h"
 #include "check_util.h"
 
 extern "C" int jax_fa3_fwd_launch(const jax_fa3::FwdParams* p, int dtype, const char* variant,
                                   cudaStream_t stream);
+extern "C" int jax_fa3_kv_append_launch(const jax_fa3::KvAppendParams* p, cudaStream_t stream);
 
 namespace {
 
@@ -54,6 +56,10 @@ struct Case {
   // whose unused pages hold NaN.
   int kv_pack = 0, kv_splits = 1, kv_page = 0;
   bool heads_major = false;  // Q and O stored [b, n, t, d] (FwdParams::heads_major)
+  // The t / kv_pack query positions' keys and values are appended to the
+  // cache first (kv_append.h) and attended to (FwdParams::kv_len_add); the
+  // cache must then equal the host's, bit for bit, everywhere.
+  bool append = false;
   int bias = 0;  // an additive bias: 1 = [1, n, t, s], 2 = [b, 1, t, s] (odd s: its pad column holds NaN)
 };
 
@@ -63,11 +69,12 @@ Case bias_case(Case c, int bias) {
 }
 
 Case kv_case(int b, int t, int s, int kh, bool causal, int pack, int splits, int page, int left = -1, int n = 0,
-             bool heads_major = false) {
+             bool heads_major = false, bool append = false) {
   Case c{b, t, s, n ? n : kh, kh, causal, left};
   c.lens = true;
   c.kv_pack = pack; c.kv_splits = splits; c.kv_page = page;
   c.heads_major = heads_major;
+  c.append = append;
   return c;
 }
 
@@ -97,13 +104,17 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   // capacity (contiguous: a paged row's capacity holds poisoned slots) and one
   // below 0.
   std::vector<int32_t> kvlen_in = kvlen;
+  // An append case hands the kernels the lengths before the append (so the
+  // rows land below s) and attends to the min(clamped + new, s) after it.
+  const int added = kv && c.append ? c.t / c.kv_pack : 0;
   if (kv) {
+    for (int b = 0; b < c.b; ++b) { kvlen_in[b] = std::max(kvlen_in[b] - added, 0); }
     if (c.lens && c.b > 1) {
       kvlen_in[c.b - 1] = -3;
       if (!paged) { kvlen_in[0] = c.s + 50; }
     }
     for (int b = 0; b < c.b; ++b) {
-      kvlen[b] = std::min(std::max(kvlen_in[b], 0), c.s);
+      kvlen[b] = std::min(std::min(std::max(kvlen_in[b], 0), c.s) + added, c.s);
       qlen[b] = c.t;
       offset[b] = kvlen[b] - c.t / c.kv_pack;
     }
@@ -148,6 +159,29 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   }
   CHECK_CUDA(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dV, hv.data(), nv * 2, cudaMemcpyHostToDevice));
+  // Append: the device gets the cache as it was and the new rows; the host
+  // writes them into hk / hv (what the device cache must become).
+  void *dkn = nullptr, *dvn = nullptr;
+  if (added > 0) {
+    const size_t nn = size_t(c.b) * added * c.kh * d;
+    std::vector<uint16_t> hkn(nn), hvn(nn);
+    fill_normal(hkn, rng, bf16);
+    fill_normal(hvn, rng, bf16);
+    CHECK_CUDA(cudaMalloc(&dkn, nn * 2)); CHECK_CUDA(cudaMalloc(&dvn, nn * 2));
+    CHECK_CUDA(cudaMemcpy(dkn, hkn.data(), nn * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dvn, hvn.data(), nn * 2, cudaMemcpyHostToDevice));
+    const int cap = paged ? ppr * c.kv_page : c.s;
+    for (int b = 0; b < c.b; ++b)
+      for (int i = 0; i < added; ++i) {
+        const int pos = std::min(std::max(kvlen_in[b], 0), cap) + i;
+        if (pos >= cap) continue;  // dropped
+        for (int h = 0; h < c.kh; ++h) {
+          const size_t src = ((size_t(b) * added + i) * c.kh + h) * d;
+          std::memcpy(&hk[kv_at(b, pos, h, d)], &hkn[src], d * 2);
+          std::memcpy(&hv[kv_at(b, pos, h, dv)], &hvn[src], dv * 2);
+        }
+      }
+  }
   CHECK_CUDA(cudaMemcpy(dql, qlen.data(), c.b * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dkl, kvlen_in.data(), c.b * 4, cudaMemcpyHostToDevice));
   if (paged) {
@@ -157,7 +191,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   const check_util::Bias bias(c.bias, c.b, c.n, c.t, c.s, rng, bf16, /*nan_pad=*/true, /*with_grad=*/false);
   auto free_all = [&] {
     cudaFree(dq); cudaFree(dk); cudaFree(dV); cudaFree(dout); cudaFree(dlse); cudaFree(dql); cudaFree(dkl);
-    cudaFree(dsinks); cudaFree(dtab);
+    cudaFree(dsinks); cudaFree(dtab); cudaFree(dkn); cudaFree(dvn);
   };
 
   jax_fa3::FwdParams p;
@@ -166,7 +200,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   p.b = c.b; p.t = c.t; p.s = paged ? ppr * c.kv_page : c.s; p.n = c.n; p.kh = c.kh; p.d = d; p.dv = dv;
   p.scale = 1.f / std::sqrt(float(d)); p.softcap = c.softcap;
   p.window_left = c.left; p.window_right = c.causal ? 0 : c.right;
-  p.bottom_right = kv; p.num_splits = ns;
+  p.bottom_right = kv; p.num_splits = ns; p.kv_len_add = added;
   if (kv) { p.q_lens = nullptr; }  // as the KV-cache handler: every row valid
   p.heads_major = c.heads_major;
   while (kv && (1 << p.q_pack_log2) < c.kv_pack) { ++p.q_pack_log2; }
@@ -175,6 +209,20 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   seg.attach(p.pair);
   bias.attach(p);
 
+  bool cache_ok = true;
+  if (added > 0) {
+    jax_fa3::KvAppendParams ap;
+    ap.k_new = dkn; ap.v_new = dvn; ap.k_cache = dk; ap.v_cache = dV; ap.seqlens = dkl;
+    if (paged) { ap.pages = p.pages; }
+    ap.b = c.b; ap.tq = added; ap.kh = c.kh; ap.row_bytes = d * 2; ap.capacity = p.s;
+    const int err = jax_fa3_kv_append_launch(&ap, nullptr);
+    if (err != 0) { std::fprintf(stderr, "append failed: %d\n", err); std::exit(2); }
+    std::vector<uint16_t> gk(nk), gv(nv);
+    CHECK_CUDA(cudaMemcpy(gk.data(), dk, nk * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(gv.data(), dV, nv * 2, cudaMemcpyDeviceToHost));
+    cache_ok = gk == hk && gv == hv;  // the new rows where they belong, nothing else touched
+    if (!cache_ok) std::printf("  appended cache differs from the host's\n");
+  }
   std::vector<uint16_t> out[2];
   std::vector<float> lse[2];
   for (int rep = 0; rep < 2; ++rep) {
@@ -197,6 +245,7 @@ Result run_case(const Case& c, int d, int dv, bool bf16, const char* variant, ui
   free_all();
 
   Result r{0, 0, false, out[0] == out[1] && std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * 4) == 0};
+  if (!cache_ok) r.max_err_o = INFINITY;
   // The parts of a split call merged by their LSE (+inf: a part without keys).
   std::vector<double> got_o(no, 0.0), got_lse(nlse, INFINITY);
   for (int b = 0; b < c.b; ++b)
@@ -417,6 +466,10 @@ int main(int argc, char** argv) {
       kv_case(2, 3, 700, 2, true, 1, 2, 256, -1, 6),  // a group of 6 is not packed: heads map to kv heads
       // Heads-major Q/O (a decode step's queries as they lie in [B, 1, N, H]).
       kv_case(3, 4, 700, 2, true, 4, 1, 0, -1, 0, true), kv_case(2, 8, 1100, 2, true, 8, 3, 256, -1, 0, true),
+      // Appending the new keys first: decode (contiguous, split), verification (paged, heads-major), a chunk.
+      kv_case(3, 8, 700, 2, true, 8, 3, 0, -1, 0, false, true),
+      kv_case(2, 20, 1100, 2, true, 4, 2, 256, -1, 0, true, true),
+      kv_case(2, 160, 600, 2, true, 2, 1, 640, -1, 0, false, true),
       // A bias per head or per batch row: causal GQA with lengths, odd S, softcap, documents, a mask.
       bias_case({2, 190, 231, 4, 2, true, -1, -1, 0.f, true}, 1),
       bias_case({2, 300, 301, 2, 2, false, 40, 17}, 2),
@@ -450,7 +503,7 @@ int main(int argc, char** argv) {
                   dtype.c_str(), d, dv, c.b, c.t, c.s, c.n, c.kh, c.causal, c.left, c.right, c.softcap,
                   c.lens, c.docs, c.scattered ? "s" : (c.as_mask ? "m" : ""), c.sinks ? " sinks" : "",
                   c.kv_pack ? (" kv pack=" + std::to_string(c.kv_pack) + " splits=" + std::to_string(c.kv_splits) +
-                               " page=" + std::to_string(c.kv_page)).c_str() : "",
+                               " page=" + std::to_string(c.kv_page) + (c.append ? " append" : "")).c_str() : "",
                   c.bias ? (c.bias == 1 ? " bias[1,n]" : " bias[b,1]") : "", r.max_err_o, r.max_err_lse, r.nan, r.repro, ok ? "ok" : "FAIL");
     }
   }
