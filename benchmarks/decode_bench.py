@@ -103,16 +103,11 @@ def _paged_name(page_sizes, i):
   return "jax_fa3_paged" if i == 0 else f"jax_fa3_paged{page_sizes[i]}"
 
 
-def _appending(jax_fa3, q, k_cache, v_cache, lens, k, v, table):
-  """``(out, k_cache, v_cache)`` of a decode step that first appends, at
-  position ``lens - 1``, the keys and values the contiguous ``k, v`` hold
-  there."""
-  import jax.numpy as jnp
-  Tq = q.shape[1]
-  at = (lens[:, None] - Tq + jnp.arange(Tq)[None])[..., None, None]
-  k_new = jnp.take_along_axis(k, at, axis=1)
-  v_new = jnp.take_along_axis(v, at, axis=1)
-  return jax_fa3.attention_with_kvcache(q, k_cache, v_cache, lens - Tq, k_new=k_new,
+def _appending(jax_fa3, q, k_cache, v_cache, lens_before, k_new, v_new, table):
+  """``(out, k_cache, v_cache)`` of a decode step that first appends ``k_new,
+  v_new`` (make_point's rows at positions ``lens - Tq ..``, so the step keeps
+  the read-only answer) at ``lens_before``."""
+  return jax_fa3.attention_with_kvcache(q, k_cache, v_cache, lens_before, k_new=k_new,
                                         v_new=v_new, page_table=table)
 
 
@@ -147,8 +142,8 @@ class CarriedCaches:
 
 
 def _impls(names, page_sizes):
-  """name -> fn(q, k_cache, v_cache, lens, *pages), pages: (table,
-  pool_k, pool_v) per page size."""
+  """name -> fn(q, k_cache, v_cache, lens, *rest), rest: (table, pool_k,
+  pool_v) per page size, then (k_new, v_new, lens - Tq) (make_point)."""
   import jax
   jax_fa3 = bench._import_jax_fa3()
   impls = {}
@@ -162,10 +157,10 @@ def _impls(names, page_sizes):
               q, pg[3 * i + 1], pg[3 * i + 2], lens, page_table=pg[3 * i]))
   if "jax_fa3_append" in names:
     impls["jax_fa3_append"] = lambda q, k, v, lens, *pg: _appending(
-        jax_fa3, q, k, v, lens, k, v, None)
+        jax_fa3, q, k, v, pg[-1], pg[-3], pg[-2], None)
   if "jax_fa3_paged_append" in names:
     impls["jax_fa3_paged_append"] = lambda q, k, v, lens, *pg: _appending(
-        jax_fa3, q, pg[1], pg[2], lens, k, v, pg[0])
+        jax_fa3, q, pg[1], pg[2], pg[-1], pg[-3], pg[-2], pg[0])
   if "fa3ref" in names:
     try:
       from flash_attn3_jax.kvcache import flash_mha_with_kvcache
@@ -191,7 +186,10 @@ def make_point(key, batch, length, tq, heads, kv_heads, hdim, page_sizes, shuffl
   for ps in page_sizes:
     table, _ = paged_layout(batch, length, ps, shuffled=shuffled)
     pages += [jnp.asarray(table), to_pages(k, table, ps), to_pages(v, table, ps)]
-  return (q, k, v, lens, *pages)
+  # An appending step's new rows, as a model would hand them over: the cache's
+  # own last tq rows, written back where they came from.
+  k_new, v_new = k[:, length - tq:], v[:, length - tq:]
+  return (q, k, v, lens, *pages, k_new, v_new, lens - tq)
 
 
 def check(name, fn, args):
