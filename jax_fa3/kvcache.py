@@ -240,11 +240,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   if K < 1 or N % K:
     raise ValueError(f"the query heads N={N} must be a multiple of the cache's "
                      f"kv heads K={K}")
-  if np.dtype(kc.dtype) != np.dtype(q.dtype) or (
-      k_new is not None and np.dtype(k_new.dtype) != np.dtype(q.dtype)):
+  given = [q, kc, V.as_array(v_cache, "v_cache")]
+  given += [] if k_new is None else [k_new, v_new]
+  if len({np.dtype(x.dtype) for x in given}) > 1:
     raise ValueError("q, the caches and k_new/v_new must share one dtype, got "
-                     f"{q.dtype}, {kc.dtype}"
-                     + ("" if k_new is None else f", {k_new.dtype}"))
+                     + ", ".join(str(x.dtype) for x in given))
   sl = V.as_array(cache_seqlens, "cache_seqlens")
   if not jnp.issubdtype(sl.dtype, jnp.integer) or sl.shape != (B,):
     raise ValueError(f"cache_seqlens must be an integer array of shape [{B}], "

@@ -167,6 +167,9 @@ def test_deterministic_and_num_splits_accepted():
     (dict(local_window_size=-1), "local_window_size"),
     (dict(k_cache=np.zeros((2, 64, 2, 16), jnp.bfloat16),
           v_cache=np.zeros((2, 64, 2, 16), jnp.bfloat16)), "share one dtype"),
+    (dict(v_cache=np.zeros((2, 64, 2, 16), jnp.bfloat16)), "share one dtype"),
+    (dict(k_new=np.zeros((2, 1, 2, 16), np.float32),
+          v_new=np.zeros((2, 1, 2, 16), jnp.bfloat16)), "share one dtype"),
 ])
 def test_validation(change, match):
   q, kc, vc, _, _, lens, _ = _setup(5, 2, 1, 4, 2, 16, 64, None)
