@@ -58,9 +58,10 @@ for stage in "$@"; do
         echo "$f rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/t_$f.log" | head -${TEST_LINES:-12}
       done ;;
     alltests)  # the README's test command, on pytest-xdist's workers where it is installed
-      # (TEST_WORKERS, default nproc). 1231 tests take about 12 minutes on 16 workers, longer than one
-      # 10-minute device call: SUITE_PART="0/3", "1/3", "2/3" run three fixed parts that together
-      # are the whole suite (tests/conftest.py --part), each 6-7.5 minutes (every part pays its own jit compiles).
+      # (TEST_WORKERS, default nproc). About 1240 tests take 12 minutes or more on 16 workers, longer
+      # than one 10-minute device call: SUITE_PART="0/4" .. "3/4" run four fixed parts that together
+      # are the whole suite (tests/conftest.py --part); a third of it has taken 6 to over 9.5 minutes
+      # (every part pays its own jit compiles).
       workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-$(nproc)}"
       python3 -m pytest -q tests -p no:cacheprovider $workers ${SUITE_PART:+--part "$SUITE_PART"} 2>&1 \
         | tee "$OUT/alltests${SUITE_PART:+_${SUITE_PART//\//_of_}}.log" | tail -40 ;;
