@@ -10,9 +10,10 @@ reported, not timed):
   shuffled page table, or an identity one with ``--page-order sequential``;
   a list of page sizes adds ``jax_fa3_paged<size>`` for the others);
 * ``jax_fa3_append`` / ``jax_fa3_paged_append``: a serving loop's step, the
-  query's keys and values appended first (``k_new``/``v_new``; the row at
-  position ``L - 1`` rewritten with its own values, so the answer is the
-  read-only one) with the caches donated and carried from call to call;
+  query's keys and values appended first (``k_new``/``v_new``, inputs of
+  the step: the cache's last Tq rows rewritten with their own values, so the
+  answer is the read-only one) with the caches donated and carried from call
+  to call;
 * ``fa3ref``: the Dao-AILab FA3 KV-cache kernel
   (``flash_attn3_jax.kvcache.flash_mha_with_kvcache``), when importable;
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with

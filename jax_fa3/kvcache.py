@@ -96,7 +96,7 @@ def _merge_splits(out, lse):
   return merged.astype(out.dtype)
 
 
-def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
+def _kernel_attention(q, k_cache, v_cache, lengths, table, capacity, *, scale,
                       causal, window, softcap, num_splits, new_rows):
   """The kernel path: a GQA group's query heads packed as rows of their kv
   head (sharding.kvcache_fwd), ``L = min(clip(lengths) + new_rows, capacity)``
@@ -111,12 +111,9 @@ def _kernel_attention(q, k_cache, v_cache, lengths, page_table, *, scale,
   rows, heads = Tq * pack, N // pack
   left = window[0] if window is not None else -1
   right = 0 if causal else (window[1] if window is not None else -1)
-  paged = page_table is not None
-  capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
   ns = num_splits or auto_splits(B, heads, rows, capacity, H)
-  pt = page_table if paged else jnp.zeros((B, 0), jnp.int32)
   out, lse = sharding.kvcache_fwd(
-      q, k_cache, v_cache, lengths, pt, scale=scale, softcap=softcap,
+      q, k_cache, v_cache, lengths, table, scale=scale, softcap=softcap,
       window_left=left, window_right=right, q_pack=pack, num_splits=ns,
       new_rows=new_rows)
   return _merge_splits(out, lse)
@@ -147,15 +144,6 @@ def _check_cache(k_cache, v_cache, page_table, B, K, H):
   if page_size < 1 or k_cache.shape[0] < 1:
     raise ValueError(f"a paged cache needs pages, got shape {k_cache.shape}")
   return True, pt.shape[1] * page_size, page_size
-
-
-def _gather(cache, pt, page_size, capacity, B):
-  """The dense ``[B, capacity, K, H]`` view of the cache."""
-  if pt is None:
-    return cache
-  pos = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32)[None], (B, capacity))
-  i0, i1 = reference.cache_slots(pt, page_size, cache.shape[0], pos)
-  return cache[i0, i1]
 
 
 def _reference(q, k, v, lengths, *, scale, causal, window, softcap):
@@ -240,8 +228,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   if K < 1 or N % K:
     raise ValueError(f"the query heads N={N} must be a multiple of the cache's "
                      f"kv heads K={K}")
-  given = [q, kc, V.as_array(v_cache, "v_cache")]
-  given += [] if k_new is None else [k_new, v_new]
+  vc = V.as_array(v_cache, "v_cache")
+  given = [q, kc, vc] + ([] if k_new is None else [k_new, v_new])
   if len({np.dtype(x.dtype) for x in given}) > 1:
     raise ValueError("q, the caches and k_new/v_new must share one dtype, got "
                      + ", ".join(str(x.dtype) for x in given))
@@ -259,22 +247,24 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   softcap = V.check_softcap(softcap)
 
   sl = sl.astype(jnp.int32)
-  pt = None if page_table is None else jnp.asarray(page_table, jnp.int32)
-  k_cache, v_cache = kc, V.as_array(v_cache, "v_cache")
+  # A contiguous cache travels with an empty [B, 0] table, as the kernels take it.
+  table = (jnp.asarray(page_table, jnp.int32) if paged
+           else jnp.zeros((B, 0), jnp.int32))
+  k_cache, v_cache = kc, vc
   new_rows = 0
   if k_new is not None:
     # In place (the results alias the caches); rows land at clip(sl) + i.
-    k_cache, v_cache = sharding.kvcache_append(
-        k_new, v_new, k_cache, v_cache, sl,
-        jnp.zeros((B, 0), jnp.int32) if pt is None else pt)
+    k_cache, v_cache = sharding.kvcache_append(k_new, v_new, k_cache, v_cache,
+                                               sl, table)
     new_rows = Tq
   if _kernel_path(q, paged, page_size):
-    out = _kernel_attention(q, k_cache, v_cache, sl, pt, scale=scale,
-                            causal=causal, window=window, softcap=softcap,
-                            num_splits=num_splits, new_rows=new_rows)
+    out = _kernel_attention(q, k_cache, v_cache, sl, table, capacity,
+                            scale=scale, causal=causal, window=window,
+                            softcap=softcap, num_splits=num_splits,
+                            new_rows=new_rows)
   else:
-    k = _gather(k_cache, pt, page_size, capacity, B)
-    v = _gather(v_cache, pt, page_size, capacity, B)
+    k = reference.dense_cache(k_cache, table)
+    v = reference.dense_cache(v_cache, table)
     lengths = jnp.minimum(jnp.clip(sl, 0, capacity) + new_rows, capacity)
     out = _reference(q, k, v, lengths, scale=scale, causal=causal,
                      window=window, softcap=softcap)

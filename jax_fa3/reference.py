@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_bwd_with_dbias",
-           "kvcache_fwd", "kvcache_append", "cache_slots",
+           "kvcache_fwd", "kvcache_append", "cache_slots", "dense_cache",
            "reference_attention", "varying_like", "summed_like"]
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -273,6 +273,17 @@ def cache_slots(page_table, page_size, num_pages, pos):
   return jnp.clip(page, 0, num_pages - 1), pos % page_size
 
 
+def dense_cache(cache, page_table):
+  """The ``[B, capacity, K, H]`` view of a cache: itself when ``page_table``
+  is ``[B, 0]`` (contiguous), else its rows' pages gathered."""
+  if not page_table.shape[1]:
+    return cache
+  B, ps = page_table.shape[0], cache.shape[1]
+  cap = page_table.shape[1] * ps
+  pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None], (B, cap))
+  return cache[cache_slots(page_table, ps, cache.shape[0], pos)]
+
+
 def kvcache_append(k_new, v_new, k_cache, v_cache, seqlens, page_table):
   """The append kernel (``primitives.kvcache_append``) in pure JAX: row ``i``
   of ``k_new, v_new [B, Tq, K, H]`` lands at position ``clip(seqlens, 0, C)
@@ -317,11 +328,7 @@ def kvcache_fwd(q, k, v, kv_lens, page_table, *, scale,
         new_rows=new_rows)
     return out.transpose(0, 1, 3, 2, 4), lse
   B, T, N, H = q.shape
-  if page_table.shape[1]:
-    ps = k.shape[1]
-    pos = jnp.arange(page_table.shape[1] * ps)
-    page = jnp.clip(page_table[:, pos // ps], 0, k.shape[0] - 1)
-    k, v = k[page, pos % ps], v[page, pos % ps]
+  k, v = dense_cache(k, page_table), dense_cache(v, page_table)
   S, K = k.shape[1], k.shape[2]
   G = N // K
   qg = q.reshape(B, T, K, G, H).astype(_F32)
