@@ -364,29 +364,39 @@ def test_primitive_path_on_cpu(monkeypatch, causal):
   close_trees((got, got_v), (want, want_v), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("layout", ["batch_gqa_heads", "batch_sequence"])
 @pytest.mark.parametrize("path", ["reference", "kernel"])
-def test_sharded_batch_and_sequence(monkeypatch, path):
-  # Under jit over a mesh (batch x sequence) both paths must give the
-  # unsharded result: ids shard with their rows, and the kernels' partition
-  # gathers the sequence (the spans index all of it) instead of ringing.
+def test_sharded_with_gradients(monkeypatch, path, layout):
+  # Under jit over a mesh, forward and gradients equal the unsharded call:
+  # the ids shard with their rows. Batch x heads (GQA: each shard keeps whole
+  # query-head groups): the kernels' partition keeps q, k and v where they
+  # are (no all-gather in the compiled program). Batch x sequence: it gathers
+  # the sequence (the spans index all of it) instead of ringing.
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from jax_fa3 import api
   cpus = jax.devices("cpu")
   if len(cpus) < 4:
     pytest.skip("needs 4 CPU devices")
-  mesh = Mesh(np.array(cpus[:4]).reshape(2, 2), ("d", "s"))
-  rng = np.random.default_rng(15)
+  mesh = Mesh(np.array(cpus[:4]).reshape(2, 2), ("d", "t"))
+  rng = np.random.default_rng(16)
   dtype = jnp.float32
   if path == "kernel":  # bf16 through the primitives (reference lowering)
     monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
     dtype = jnp.bfloat16
-  q, k, v, w = rand(15, B=2, T=32, S=32, N=2, K=2, H=8, dtype=dtype)
-  ids = jnp.asarray(packed_ids(rng, 2, 32, 7))
-  f = jax.jit(lambda q, k, v, ids: jax_fa3.attention(
-      q, k, v, q_segment_ids=ids, is_causal=True))
-  want = f(q, k, v, ids)
+  q, k, v, w = rand(16, B=2, T=40, S=40, N=4, K=2, H=8, dtype=dtype)
+  ids = jnp.asarray(packed_ids(rng, 2, 40, 5))
+
+  def loss(q, k, v, ids):
+    out = jax_fa3.attention(q, k, v, q_segment_ids=ids, is_causal=True)
+    return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32)), out
+
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (_, want), want_g = f(q, k, v, ids)
+  spec = P("d", None, "t") if layout == "batch_gqa_heads" else P("d", "t")
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-  got = f(*(put(x, P("d", "s")) for x in (q, k, v)), put(ids, P("d", "s")))
-  tol = 1e-5 if dtype == jnp.float32 else 1e-2
-  close(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
-        atol=tol)
+  args = (*(put(x, spec) for x in (q, k, v)), put(ids, P(*spec[:2])))
+  (_, got), got_g = f(*args)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  close_trees((got, got_g), (want, want_g), rtol=tol, atol=tol)
+  if path == "kernel" and layout == "batch_gqa_heads":
+    assert "all-gather" not in f.lower(*args).compile().as_text()
