@@ -82,6 +82,15 @@ def close_trees(got, want, rtol=RTOL, atol=ATOL):
     close(a, b, rtol=rtol, atol=atol)
 
 
+def out_and_grads(attn, w):
+  """jit of ``(q, k, v, *rest) -> (out, (dq, dk, dv))`` for
+  ``out = attn(q, k, v, *rest)`` and the output cotangent ``w``."""
+  def f(q, k, v, *rest):
+    out, pull = jax.vjp(lambda q, k, v: attn(q, k, v, *rest), q, k, v)
+    return out, pull(w.astype(out.dtype))
+  return jax.jit(f)
+
+
 # ------------------------------------------------------- compiled kernels
 def sm90_kernels_present() -> bool:
   """The compiled kernels are loaded and JAX sees an sm_90 GPU: what a test

@@ -233,19 +233,25 @@ def _run_case(layout, head_dim, causal, T, S, lens, min_devs):
           put(ql, P()), put(kl, P()))
   compiled = jax.jit(_fwd_bwd(attn)).lower(*args).compile()
   got = _host(compiled(*args))
-  hlo = compiled.as_text()
+  _assert_sharded(layout, got, base, ref, single, compiled.as_text(), want,
+                  banned)
+  return got
 
+
+def _assert_sharded(label, got, base, ref, single, hlo, want, banned):
+  """(out, dq, dk, dv) of a sharded run: the FA3 rule against fp32 (``base``:
+  XLA in bf16), as close to the single-GPU result as that rule allows, and
+  the compiled program holds ``want`` (or None) and none of ``banned``."""
   assert_fa3_tolerance(got, base, ref, NAMES)
   for i, (g, s) in enumerate(zip(got, single)):
     bound = fa3_bound(i, max_abs_diff(base[i], ref[i]))
     err = max_abs_diff(g, s)
-    assert err <= bound, (f"{NAMES[i]}: max|sharded - single GPU| = "
+    assert err <= bound, (f"{label} {NAMES[i]}: max|sharded - single GPU| = "
                           f"{err:.3e} > {bound:.3e}")
   if want is not None:
-    assert want in hlo, f"{layout}: no {want} in the compiled program"
+    assert want in hlo, f"{label}: no {want} in the compiled program"
   for op in banned:
-    assert op not in hlo, f"{layout}: unexpected {op} (layout not served)"
-  return got
+    assert op not in hlo, f"{label}: unexpected {op} (layout not served)"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -254,27 +260,6 @@ def test_sharded_matches_single_gpu_and_fp32(case):
 
 
 # ------------------------------------------- packed sequences and sinks
-def _packed_ids(B, T, seed, docs=6):
-  """[B, T] int32 segment ids: `docs` documents of random lengths per row."""
-  rng = np.random.default_rng(seed)
-  ids = [np.searchsorted(np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False)),
-                         np.arange(T), side="right") for _ in range(B)]
-  return jnp.asarray(np.stack(ids), jnp.int32)
-
-
-def _packed_xla(q, k, v, ids, _):
-  """jax.nn on XLA with the dense mask of equal ids (causal)."""
-  T = q.shape[1]
-  mask = (ids[:, None, :, None] == ids[:, None, None, :]) & jnp.tril(
-      jnp.ones((T, T), bool))
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-
-
-def _sinks_xla(q, k, v, _, sinks, same_dtype=False):
-  from test_sinks import sink_reference
-  return sink_reference(q, k, v, sinks, causal=True, same_dtype=same_dtype)
-
-
 # (id, feature, layout): the ids shard with the batch rows, the sinks with the
 # query heads; a batch or head shard gathers nothing.
 NEW_ARG_CASES = [
@@ -287,15 +272,18 @@ NEW_ARG_CASES = [
 
 @pytest.mark.parametrize("case", NEW_ARG_CASES, ids=[c[0] for c in NEW_ARG_CASES])
 def test_sharded_segment_ids_and_sinks_match_single_gpu(case):
-  _, feature, layout = case
+  from test_segment_ids import dense_mask, packed_ids
+  from test_sinks import sink_reference
+  label, feature, layout = case
   _need_kernel(128)
   B, T, H = _batch(), 2048, 128
   q, k, v, w, _, _ = _inputs(B, T, T, H, False, seed=5)
+  host_ids = packed_ids(np.random.default_rng(5), B, T, 6)
   with jax.default_device(DEVS[0]):
-    ids = _packed_ids(B, T, 5)
+    ids = jnp.asarray(host_ids)
+    mask = jnp.asarray(dense_mask(host_ids, host_ids, causal=True)[:, None])
     sinks = jnp.linspace(-1.0, 2.0, N_HEADS, dtype=jnp.float32)
   sinks_on = feature == "sinks"
-  names = NAMES + (("dsinks",) if sinks_on else ())
 
   def fwd_bwd(attn):
     # out and the gradients of q, k, v (and the sinks): one program.
@@ -311,11 +299,16 @@ def test_sharded_segment_ids_and_sinks_match_single_gpu(case):
     kw = dict(sinks=sinks) if sinks_on else dict(q_segment_ids=ids)
     return jax_fa3.attention(q, k, v, is_causal=True, implementation=IMPL, **kw)
 
-  xla = _sinks_xla if sinks_on else _packed_xla
+  def xla(q, k, v, ids, sinks, same_dtype=False):
+    # jax.nn on XLA with the dense mask of equal ids, or a sink column.
+    if sinks_on:
+      return sink_reference(q, k, v, sinks, causal=True, same_dtype=same_dtype)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
   f32 = lambda x: x.astype(jnp.float32)
   with jax.default_matmul_precision("highest"):
     ref = _host(jax.jit(fwd_bwd(xla))(f32(q), f32(k), f32(v), w, ids, sinks))
-  same = functools.partial(_sinks_xla, same_dtype=True) if sinks_on else xla
+  same = functools.partial(xla, same_dtype=True)
   base = _host(jax.jit(fwd_bwd(same))(q, k, v, w, ids, sinks))
   single = _host(jax.jit(fwd_bwd(fa3))(q, k, v, w, ids, sinks))
 
@@ -326,21 +319,13 @@ def test_sharded_segment_ids_and_sinks_match_single_gpu(case):
           put(ids, P(spec[0])), put(sinks, P(heads_axis)))
   compiled = jax.jit(fwd_bwd(fa3)).lower(*args).compile()
   got = _host(compiled(*args))
-  hlo = compiled.as_text()
-  # q, k, v and the output's gradients against fp32 by the FA3 rule, and
-  # against GPU 0 as closely as that rule allows; dsinks (a sum over every
-  # row) against GPU 0 relative to its size.
-  assert_fa3_tolerance(got[:4], base[:4], ref[:4], names[:4])
-  for i in range(4):
-    bound = fa3_bound(i, max_abs_diff(base[i], ref[i]))
-    err = max_abs_diff(got[i], single[i])
-    assert err <= bound, (f"{names[i]}: max|sharded - single GPU| = "
-                          f"{err:.3e} > {bound:.3e}")
+  # out, dq, dk, dv as in _run_case; dsinks (a sum over every row) against
+  # GPU 0 relative to its size.
+  _assert_sharded(label, got[:4], base[:4], ref[:4], single[:4],
+                  compiled.as_text(), None, banned)
   if sinks_on:
     scale = float(np.max(np.abs(single[4])))
-    assert max_abs_diff(got[4], single[4]) <= 1e-2 * scale + 1e-3, names[4]
-  for op in banned:
-    assert op not in hlo, f"{case[0]}: unexpected {op} (layout not served)"
+    assert max_abs_diff(got[4], single[4]) <= 1e-2 * scale + 1e-3, "dsinks"
 
 
 # ------------------------------------------------------------------- FP8
@@ -363,8 +348,8 @@ def test_sharded_fp8_matches_single_gpu(layout):
   hlo = compiled.as_text()
   for op in banned:
     assert op not in hlo, f"fp8 {layout}: unexpected {op}"
-  # The same quantized blocks and kernels per shard: equal up to the order of
-  # nothing (the forward has no cross-CTA sums).
+  # The same quantized blocks and kernels per shard, and no sum across CTAs
+  # in the forward: bit for bit.
   np.testing.assert_array_equal(got, single)
 
 
