@@ -192,6 +192,19 @@ def kernel_blocker(dtype, head_dim, native):
 
 
 def _check_ids(ids, name, batch, length, form):
+  orig = np.dtype(ids.dtype) if hasattr(ids, "dtype") else np.asarray(ids).dtype
+  if orig.kind in "iu" and not np.can_cast(orig, np.int32):
+    # Wider ids would be cut to int32, merging distinct segments: only
+    # concrete values that fit pass.
+    try:
+      vals = np.asarray(ids)
+    except jax.errors.TracerArrayConversionError as e:
+      raise ValueError(f"{name} must be int32 (or a narrower integer type), "
+                       f"got a traced {orig} array") from e
+    info = np.iinfo(np.int32)
+    if vals.size and (vals.min() < info.min or vals.max() > info.max):
+      raise ValueError(f"{name} holds values outside int32's range (dtype "
+                       f"{orig}); distinct ids would merge when cast")
   ids = as_array(ids, name)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer (int32) array of shape "

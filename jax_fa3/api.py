@@ -149,8 +149,9 @@ def attention(query, key, value, *, scale=None, is_causal=False,
       blocks wait for their turn per query block).  The forward is always
       deterministic, and so is the reference backward.
     q_segment_ids, kv_segment_ids: optional integer ``[B, T]`` and ``[B, S]``
-      (cast to int32) for packed sequences: query ``i`` sees key ``j`` only
-      where the ids are equal (any values, negative included).
+      (cast to int32; wider ids must hold int32 values) for packed
+      sequences: query ``i`` sees key ``j`` only where the ids are equal
+      (any values, negative included).
       ``kv_segment_ids`` defaults to ``q_segment_ids`` when ``T == S``.
       Composes with every mask above; causal / window positions are the
       row's global positions (top-left aligned), not per-segment ones.

@@ -75,7 +75,7 @@ def auto_splits(batch, heads, rows, capacity, head_dim, num_sms=None):
   each part keeping at least 4 key blocks."""
   sms = num_sms or _num_sms()
   tiles = batch * heads * -(-rows // _ROWS)
-  if 5 * tiles >= 4 * sms:
+  if tiles == 0 or 5 * tiles >= 4 * sms:
     return 1
   blocks = -(-capacity // KEY_BLOCK.get(head_dim, 128))
   return max(1, min(sms // tiles, blocks // 4, 64))
@@ -140,6 +140,9 @@ def _check_cache(k_cache, v_cache, page_table, B, K, H):
     raise ValueError("page_table must be an integer array of shape "
                      f"[B, max_pages_per_seq] with B = {B}, got {pt.dtype} "
                      f"{pt.shape}")
+  if pt.shape[1] < 1:
+    raise ValueError("page_table must list at least one page per row "
+                     f"(max_pages_per_seq >= 1), got shape {pt.shape}")
   page_size = k_cache.shape[1]
   if page_size < 1 or k_cache.shape[0] < 1:
     raise ValueError(f"a paged cache needs pages, got shape {k_cache.shape}")
@@ -257,7 +260,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
     k_cache, v_cache = sharding.kvcache_append(k_new, v_new, k_cache, v_cache,
                                                sl, table)
     new_rows = Tq
-  if _kernel_path(q, paged, page_size):
+  if q.size and _kernel_path(q, paged, page_size):  # an empty query: the reference's empty output
     out = _kernel_attention(q, k_cache, v_cache, sl, table, capacity,
                             scale=scale, causal=causal, window=window,
                             softcap=softcap, num_splits=num_splits,

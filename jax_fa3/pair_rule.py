@@ -39,6 +39,11 @@ def _spans_from_rows(found, first, last, count):
   return lo, hi, jnp.where(run, lo, _BIG), jnp.where(run, hi, -_BIG)
 
 
+def _no_spans(shape):
+  zeros = jnp.zeros(shape, jnp.int32)
+  return _spans_from_rows(jnp.zeros(shape, bool), zeros, zeros, zeros)
+
+
 def _row_spans(a, b):
   """For each position of ``a`` ([La] int32), the positions of ``b`` ([Lb])
   with the same id: ``(lo, hi, full_lo, full_hi)`` as in the module doc.
@@ -49,6 +54,8 @@ def _row_spans(a, b):
   answers exactly; a shared one (distinct ids with equal hashes) gives its
   whole range as the span and no full span -- wider, never wrong."""
   n = b.shape[0]
+  if n == 0:  # nothing to match (an empty other side)
+    return _no_spans(a.shape)
   hb = jnp.remainder(b, n)
   pos = jnp.arange(n, dtype=jnp.int32)
   # One scatter-min gathers both ends of each bucket's positions and ids
@@ -91,6 +98,8 @@ def _granule_spans(a, b):
 def _mask_row_spans(m):
   """Per row of a bool ``[..., L, M]``: spans over its last axis."""
   M = m.shape[-1]
+  if M == 0:
+    return _no_spans(m.shape[:-1])
   found = jnp.any(m, axis=-1)
   first = jnp.argmax(m, axis=-1).astype(jnp.int32)
   last = (M - 1 - jnp.argmax(m[..., ::-1], axis=-1)).astype(jnp.int32)

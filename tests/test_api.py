@@ -439,6 +439,26 @@ def test_routing_with_kernels_binds_the_kernels(fake_kernels):
       q, k, v, implementation="reference"), q, k, v) == set()
 
 
+def test_empty_query_on_the_kernel_path(fake_kernels):
+  # T = 0 (or B = 0): an empty output and gradients, also where segment
+  # ids or a mask build block spans against the other side's empty rows.
+  for B, T in ((2, 0), (0, 5)):
+    q, k, v, _ = _rand(16, B=B, T=T, S=5, N=4, K=2, dtype=jnp.bfloat16)
+    ids = lambda n: jnp.zeros((B, n), jnp.int32)  # noqa: E731
+    fs = [lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True),
+          lambda q, k, v: jax_fa3.attention(
+              q, k, v, q_segment_ids=ids(T), kv_segment_ids=ids(5)),
+          lambda q, k, v: jax_fa3.dot_product_attention(
+              q, k, v, mask=jnp.ones((T, 5), bool))]
+    for f in fs:
+      assert _cuda_kernels(f, q, k, v) <= {"jax_fa3_fwd"}  # lowers for CUDA
+      out = jax.jit(f)(q, k, v)
+      assert out.shape == q.shape
+      grads = jax.jit(_grad(f))(q, k, v)
+      assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+      assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+
+
 def test_fa3_rejects_uncompiled_head_dim(fake_kernels):
   q, k, v, _ = _rand(15, B=1, T=4, S=4, H=16, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="head_dim 16"):

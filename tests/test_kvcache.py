@@ -163,6 +163,7 @@ def test_deterministic_and_num_splits_accepted():
     (dict(k_cache=np.zeros((3, 64, 2, 16), np.float32),
           v_cache=np.zeros((3, 64, 2, 16), np.float32)), "contiguous cache needs batch 2"),
     (dict(page_table=np.zeros((2,), np.int32)), "page_table must be"),
+    (dict(page_table=np.zeros((2, 0), np.int32)), "at least one page per row"),
     (dict(num_splits=0), "num_splits"),
     (dict(local_window_size=-1), "local_window_size"),
     (dict(k_cache=np.zeros((2, 64, 2, 16), jnp.bfloat16),
@@ -179,6 +180,28 @@ def test_validation(change, match):
     jax_fa3.attention_with_kvcache(args.pop("q"), args.pop("k_cache"),
                                    args.pop("v_cache"), args.pop("cache_seqlens"),
                                    **args)
+
+
+@pytest.mark.parametrize("B,Tq", [(2, 0), (0, 1)])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_empty_query(B, Tq, page_size):
+  # The kernel path's dtype and head dim with nothing to compute: an empty
+  # output (and unchanged caches), not a split count divided by zero tiles.
+  q, kc, vc, kn, vn, lens, table = _setup(7, max(B, 1), max(Tq, 1), 4, 2, 64,
+                                          128, page_size, jnp.bfloat16)
+  q, kn, vn = (x[:B, :Tq] for x in (q, kn, vn))
+  lens = lens[:B]
+  if table is not None:
+    table = table[:B]
+  else:
+    kc, vc = kc[:B], vc[:B]
+  out = jax_fa3.attention_with_kvcache(q, kc, vc, lens, page_table=table)
+  assert out.shape == (B, Tq, 4, 64) and out.dtype == jnp.bfloat16
+  out, kc2, vc2 = jax_fa3.attention_with_kvcache(
+      q, kc, vc, lens, k_new=kn, v_new=vn, page_table=table)
+  assert out.shape == (B, Tq, 4, 64)
+  np.testing.assert_array_equal(np.asarray(kc2, np.float32), np.asarray(kc, np.float32))
+  np.testing.assert_array_equal(np.asarray(vc2, np.float32), np.asarray(vc, np.float32))
 
 
 def test_new_rows_must_fit():

@@ -245,6 +245,22 @@ def test_integer_dtypes_accepted():
     np.testing.assert_array_equal(np.asarray(q_ids), ids)
 
 
+def test_wide_ids_must_fit_int32():
+  # A 64-bit id past int32 would merge with another once cast: refused;
+  # 64-bit ids that fit give the int32 answer.
+  q, k, v, _ = rand(16, B=1, T=4, S=4, N=2, K=2, H=8)
+  wide = np.array([[0, 0, 2**32, 2**32]], np.int64)
+  with pytest.raises(ValueError, match="outside int32's range"):
+    jax_fa3.attention(q, k, v, q_segment_ids=wide)
+  with pytest.raises(ValueError, match="outside int32's range"):
+    jax_fa3.attention(q, k, v, q_segment_ids=np.zeros((1, 4), np.int32),
+                      kv_segment_ids=wide.astype(np.uint64))
+  fit = np.array([[-2**31, -2**31, 2**31 - 1, 2**31 - 1]], np.int64)
+  close(jax_fa3.attention(q, k, v, q_segment_ids=fit),
+        jax_fa3.attention(q, k, v, q_segment_ids=fit.astype(np.int32)),
+        rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("qi,ki,T,S,match", [
     (np.zeros((2, 12), np.float32), None, 12, 12, "integer"),
     (np.zeros((2, 12), bool), None, 12, 12, "integer"),
