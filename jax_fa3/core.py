@@ -89,11 +89,11 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
     if cfg.ring is not None:
       raise ValueError("segment ids are not supported by ring attention")
     if cfg.kernel or (cfg.fp8 is not None and cfg.fp8.kernel):
-      pairs = pair_rule.from_segment_ids(*segment_ids)
+      pairs = sharding.pairs_from_segment_ids(*segment_ids)
   elif mask is not None and cfg.kernel and cfg.fp8 is None:
     if cfg.ring is not None:
       raise ValueError("masks are not supported by ring attention")
-    pairs, mask = pair_rule.from_mask(mask, k.shape[2], T, S), None
+    pairs, mask = sharding.pairs_from_mask(mask, k.shape[2], T, S), None
   if (bias is not None and bias.shape[3] == 1 and sinks is None
       and cfg.kernel and cfg.fp8 is None and cfg.ring is None):
     # A bias constant along the keys shifts a row's scores alike: the
@@ -242,6 +242,11 @@ def _vjp_bwd(cfg, res, cts):
     dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
         q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
         block_k=cfg.block_k, **_seg_kwargs(pairs), **cfg.attrs)
+  if dbias is not None:
+    # Inside shard_map: typed like the shards that produced it, then summed
+    # over the manual axes a replicated bias does not vary over.
+    dbias = reference.summed_like(
+        reference.varying_like(dbias, q, k, v, bias), bias)
   dseg = None if pairs is None else (None,) * len(pairs)
   dsinks = None if sinks is None else _dsinks(out, lse, dout, sinks)
   return dq, dk, dv, None, None, dbias, None, dseg, dsinks

@@ -29,7 +29,9 @@ What is served locally:
   sequence) and with a bias, the sequence is replicated (gathered);
 * a bias ``[B|1, N|1, T, S]`` follows the batch and heads it has; its
   gradient is per batch row and head, sharded like q;
-* head_dim: always replicated.
+* head_dim: always replicated;
+* the pair-rule pre-pass (:func:`pairs_from_segment_ids`,
+  :func:`pairs_from_mask`): per batch shard, the sequence whole.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from functools import partial
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -46,7 +49,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_fa3 import primitives, ring, pair_rule, reference
 
 __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd",
-           "kvcache_fwd", "kvcache_append"]
+           "kvcache_fwd", "kvcache_append", "pairs_from_segment_ids",
+           "pairs_from_mask"]
 
 # Q = query heads, x/y/z = scale blocks and V^T's padded key axis (FP8);
 # SEG: the four pair-rule operands (_pair_rule_factors); SNK: the sinks [N]
@@ -98,10 +102,12 @@ def _bias_factors(ops, i):
 
 
 def _rule(template, operand_types, replicated, v_transposed=False,
-          bias_grad=False):
+          bias_grad=False, mesh=None):
   """Query heads Q = (k g): kv heads major, GQA group minor.  Shardy rejects
   size-1 parts of a compound factor, so MQA (K = 1) and plain MHA (G = 1)
-  spell Q as one factor."""
+  spell Q as one factor; so does GQA on a mesh with an axis that could shard
+  the query heads but not the K kv heads (Shardy would give k a part of that
+  axis, which custom_partitioning cannot take; the plan decides k/v)."""
   n, kh = operand_types[0].shape[2], operand_types[1].shape[2]
   if "SEG" in template:  # first: the operands before it count one comma each
     first = template.split("SEG")[0].count(",")
@@ -118,7 +124,8 @@ def _rule(template, operand_types, replicated, v_transposed=False,
   # Shardy wants them in the order the factors first appear.
   extra = dict(need_replication_factors=tuple(
       f for f in factors if f in replicated))
-  if kh == 1:
+  sizes = () if mesh is None else tuple(mesh.shape.values())
+  if kh == 1 or any(z > 1 and n % z == 0 and kh % z for z in sizes):
     return template.replace("Q", "n"), extra
   if n == kh:
     return template.replace("Q", "k"), extra
@@ -448,15 +455,92 @@ def _append_partition(mesh, arg_shapes, result_shape):
   return plan.mesh, primitives.kvcache_append, outs, args
 
 
-def _append_rule(ops):
+def _append_rule(mesh, ops):
   paged = ops[5].shape[1] > 0
   rule = _APPEND_RULE.replace("C", "c" if paged else "b")
-  return _rule(rule, ops, ("t", "h", "s", "p", "c") + (("b",) if paged else ()))
+  return _rule(rule, ops, ("t", "h", "s", "p", "c") + (("b",) if paged else ()),
+               mesh=mesh)
 
 
-def _kvcache_rule(ops, *static):
+def _kvcache_rule(mesh, ops, *static):
   rule = _KVCACHE_RULE.replace("C", "c" if ops[4].shape[1] else "b")
-  return _rule(rule, ops, ("t", "h", "s", "p", "z", "c"))
+  return _rule(rule, ops, ("t", "h", "s", "p", "z", "c"), mesh=mesh)
+
+
+# ------------------------------------------------------------ pair-rule pre-pass
+def _batch_only(mesh, arg_shapes):
+  """-> (mesh, x -> sharding): the batch axes of the first operand where
+  they divide its batch, every other axis whole."""
+  a = arg_shapes[0]
+  spec = (a.sharding.spec if isinstance(a.sharding, NamedSharding)
+          and not mesh.empty else PartitionSpec())
+  if mesh.empty:
+    mesh = Mesh(np.array(a.sharding._device_assignment), ("_fa3_all",))
+  b = _axes(spec[0]) if len(spec) else ()
+  b = _entry(b) if b and a.shape[0] % _size(mesh, b) == 0 else None
+  return mesh, lambda x: NamedSharding(
+      mesh, PartitionSpec(b, *(None,) * (len(x.shape) - 1)))
+
+
+def _prepass(fn, rule):
+  """``fn`` (a pair-rule pre-pass of operands that lead with the batch, four
+  results) partitioned over the batch only.  Its bits and spans reshape the
+  sequence axes: left to Shardy, a sequence-sharded mask or ids would reach
+  the kernels' boundary sharded in pieces custom_partitioning cannot take."""
+  cp = custom_partitioning(fn)
+
+  def partition(mesh, arg_shapes, result_shape):
+    mesh, ns = _batch_only(mesh, arg_shapes)
+    return (mesh, fn, tuple(ns(r) for r in result_shape),
+            tuple(ns(a) for a in arg_shapes))
+
+  def infer(mesh, arg_shapes, result_shape):
+    ns = _batch_only(mesh, arg_shapes)[1]
+    return tuple(ns(r) for r in result_shape)
+
+  def sharding_rule(mesh, operand_types, result_types):
+    text = rule(operand_types)
+    return text, dict(need_replication_factors=tuple(
+        f for f in dict.fromkeys(re.findall(r"[a-z]", text)) if f != "b"))
+
+  cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=sharding_rule)
+
+  @custom_vmap
+  def call(*args):
+    return tuple(cp(*args))
+
+  @call.def_vmap
+  def _vmap(axis_size, in_batched, *args):
+    outs = primitives.fold_vmap(call, axis_size, args, in_batched)
+    return outs, (True,) * len(outs)
+  return call
+
+
+_ids_prepass = _prepass(pair_rule.from_segment_ids,
+                        lambda ops: "b i, b j -> b i, b j, b u c, b w c")
+_self_ids_prepass = _prepass(lambda ids: pair_rule.from_segment_ids(ids, ids),
+                             lambda ops: "b i -> b i, b i, b u c, b u c")
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_prepass(kv_heads):
+  return _prepass(lambda m: pair_rule.from_mask(m, kv_heads, *m.shape[2:]),
+                  lambda ops: "b n t s -> b n t p a, b n s p m, b n u c, b k w c")
+
+
+def pairs_from_segment_ids(q_ids, kv_ids):
+  """:func:`pair_rule.from_segment_ids`, partitioned over the batch."""
+  if q_ids is kv_ids:
+    return _self_ids_prepass(q_ids)
+  return _ids_prepass(q_ids, kv_ids)
+
+
+def pairs_from_mask(mask, kv_heads, T, S):
+  """:func:`pair_rule.from_mask`, partitioned over the mask's batch."""
+  mask = jnp.asarray(mask, bool)
+  mask = jnp.broadcast_to(mask, mask.shape[:2] + (T, S))
+  return _mask_prepass(int(kv_heads))(mask)
 
 
 # ------------------------------------------------------------ registration
@@ -476,7 +560,7 @@ def _partitioned(impl, n_static, partition, outs_of_plan, rule, plan_kw,
 
   def sharding_rule(*a):
     static, (mesh, operand_types, _) = a[:n_static], a[n_static:]
-    return rule(operand_types, *static)
+    return rule(mesh, operand_types, *static)
 
   cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=sharding_rule)
@@ -500,28 +584,28 @@ def _partitioned(impl, n_static, partition, outs_of_plan, rule, plan_kw,
 _fwd = _partitioned(
     _fwd_impl, 4, _fwd_partition,
     lambda plan, *s: (plan.q, plan.lse),
-    lambda ops, *s: _rule(_FWD_RULE, ops, _SEQ_FREE),
+    lambda mesh, ops, *s: _rule(_FWD_RULE, ops, _SEQ_FREE, mesh=mesh),
     lambda shapes, scale, softcap, wl, wr: dict(
         window_left=wl, window_right=wr, ring=_may_ring(shapes, 5)),
     n_per_batch=10)
 _bwd = _partitioned(
     _bwd_impl, 6, _bwd_partition,
     lambda plan, *s: (plan.q, plan.kv, plan.kv, plan.dbias(s[-1] is not None)),
-    lambda ops, *s: _rule(_BWD_RULE, ops, _SEQ_FREE,
-                          bias_grad=s[-1] is not None),
+    lambda mesh, ops, *s: _rule(_BWD_RULE, ops, _SEQ_FREE,
+                                bias_grad=s[-1] is not None, mesh=mesh),
     lambda shapes, scale, softcap, wl, wr, det, bg: dict(
         window_left=wl, window_right=wr, ring=_may_ring(shapes, 8)))
 _quant = _partitioned(
     _quant_impl, 4, _quant_partition,
     lambda plan, bq, bkv, had, vt: _quant_shardings(plan, vt),
-    lambda ops, bq, bkv, had, vt: _rule(_QUANT_RULE, ops, _SEQ_REPLICATED,
-                                        vt),
+    lambda mesh, ops, bq, bkv, had, vt: _rule(_QUANT_RULE, ops,
+                                              _SEQ_REPLICATED, vt, mesh=mesh),
     lambda shapes, *s: dict(ring=False), n_per_batch=3)
 _fp8 = _partitioned(
     _fp8_fwd_impl, 5, _fp8_fwd_partition,
     lambda plan, *s: (plan.q, plan.lse),
-    lambda ops, scale, wl, wr, dt, vt: _rule(_FP8_FWD_RULE, ops,
-                                             _SEQ_REPLICATED, vt),
+    lambda mesh, ops, scale, wl, wr, dt, vt: _rule(
+        _FP8_FWD_RULE, ops, _SEQ_REPLICATED, vt, mesh=mesh),
     lambda shapes, *s: dict(ring=False))
 
 

@@ -132,6 +132,35 @@ def test_bias_and_mask_are_taken_by_the_kernels(monkeypatch):
                                   implementation="fa3")
 
 
+@pytest.mark.parametrize("qkv_seq", [False, True], ids=["qkv_whole", "qkv_seq"])
+@pytest.mark.parametrize("axis", [2, 3], ids=["rows", "columns"])
+def test_sharded_along_the_sequence(monkeypatch, axis, qkv_seq):
+  # A mask sharded along T or S (4 ways: 4 rows or 6 columns per device, less
+  # than a span granule): its bits and spans are computed whole per batch
+  # shard; results and gradients equal the unsharded call.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax_fa3 import api
+  cpus = jax.devices("cpu")
+  if len(cpus) < 4:
+    pytest.skip("needs 4 CPU devices")
+  monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
+  mesh = Mesh(np.array(cpus[:4]), ("x",))
+  rng = np.random.default_rng(10)
+  B, N, K, T, S = 2, 4, 2, 16, 24
+  m = jnp.asarray(_masks(rng, B, N, T, S)["random_per_head"])
+  q, k, v, w = rand(10, B=B, T=T, S=S, N=N, K=K, H=8, dtype=jnp.bfloat16)
+  f = out_and_grads(lambda q, k, v, m: jax_fa3.dot_product_attention(
+      q, k, v, mask=m, implementation="fa3"), w)
+  want, want_g = f(q, k, v, m)
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+  qs = P(None, "x") if qkv_seq else P()
+  got, got_g = f(*(put(x, qs) for x in (q, k, v)),
+                 put(m, P(*(None,) * axis, "x")))
+  close(np.asarray(got, np.float32), np.asarray(want, np.float32),
+        rtol=1e-2, atol=1e-2)
+  close_trees(got_g, want_g, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("spec", [("d", None), (None, "m"), ("d", "m")])
 def test_sharded_batch_and_heads(monkeypatch, spec):
   # Over a mesh the mask operands follow the batch and head axes they have

@@ -381,6 +381,39 @@ def test_primitive_path_on_cpu(monkeypatch, causal):
   close_trees((got, got_v), (want, want_v), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
+def test_ids_sharded_in_small_sequence_shards(monkeypatch, partitioner):
+  # Ids sharded along the sequence in shards shorter than a span granule
+  # (8 of 32 positions per device): spans are computed whole per batch shard
+  # (Shardy would otherwise hand the kernels granules split in pieces).
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax_fa3 import api
+  cpus = jax.devices("cpu")
+  if len(cpus) < 4:
+    pytest.skip("needs 4 CPU devices")
+  old = getattr(jax.config, "jax_use_shardy_partitioner", None)
+  try:
+    jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+  except Exception:
+    pytest.skip("this jax has no GSPMD partitioner")
+  try:
+    monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
+    mesh = Mesh(np.array(cpus[:4]), ("x",))
+    q, k, v, w = rand(17, B=2, T=32, S=32, N=4, K=2, H=8, dtype=jnp.bfloat16)
+    ids = jnp.asarray(packed_ids(np.random.default_rng(17), 2, 32, 4))
+    f = out_and_grads(lambda q, k, v, ids: jax_fa3.attention(
+        q, k, v, q_segment_ids=ids, is_causal=True), w)
+    want, want_g = f(q, k, v, ids)
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    for qs in (P(), P(None, "x")):
+      got, got_g = f(*(put(x, qs) for x in (q, k, v)), put(ids, P(None, "x")))
+      close(np.asarray(got, np.float32), np.asarray(want, np.float32),
+            rtol=1e-2, atol=1e-2)
+      close_trees(got_g, want_g, rtol=2e-2, atol=2e-2)
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", old)
+
+
 @pytest.mark.parametrize("layout", ["batch_gqa_heads", "batch_sequence"])
 @pytest.mark.parametrize("path", ["reference", "kernel"])
 def test_sharded_with_gradients(monkeypatch, path, layout):

@@ -233,6 +233,45 @@ def test_attention_per_shard_in_shard_map():
   np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), **TOL)
 
 
+def test_gqa_heads_over_an_axis_wider_than_the_kv_heads():
+  # q's 4 heads over one 4-device axis, 2 kv heads: k cannot take part of
+  # that axis (the rule keeps q's heads apart from k's; the plan replicates).
+  mesh = _mesh((4,), ("x",))
+  q, k, v, w, ql, kl = _inputs(6, K=2)
+  f = lambda q, k, v: _kernel_attention(q, k, v, ql, kl, 0.35, 0.0, -1, 0)[0]
+  grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), argnums=(0, 1, 2))
+  with jax.default_device(CPUS[0]):
+    ref = (jax.jit(f)(q, k, v),) + jax.jit(grad)(q, k, v)
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  args = (put(q, P(None, None, "x")), put(k, P()), put(v, P()))
+  got = (jax.jit(f)(*args),) + jax.jit(grad)(*args)
+  for a, b in zip(got, ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "reference"])
+@pytest.mark.parametrize("bias_spec", ["replicated", "heads"])
+def test_bias_gradient_in_shard_map(kernel, bias_spec):
+  # Heads split by shard_map: a replicated bias's gradient sums every
+  # shard's heads; a head-sharded one stays per shard, typed as such.
+  mesh = _mesh((4,), ("x",))
+  q, k, v, w, ql, kl = _inputs(7, K=N)
+  shape = (1, 1, T, T) if bias_spec == "replicated" else (B, N, T, T)
+  bias = jax.random.normal(jax.random.key(8), shape)
+  cfg = core.Config(0.35, 0.0, -1, -1, kernel=kernel)
+  attn = lambda q, k, v, b: core.attention(q, k, v, ql, kl, b, None, cfg)[0]
+  heads = P(None, None, "x")
+  sm = jax.shard_map(attn, mesh=mesh, out_specs=heads, in_specs=(heads,) * 3 + (
+      P() if bias_spec == "replicated" else P(None, "x"),))
+  grad = lambda f: jax.grad(lambda q, k, v, b: jnp.sum(f(q, k, v, b) * w),
+                            argnums=(0, 3))
+  with jax.default_device(CPUS[0]):
+    ref = jax.jit(grad(attn))(q, k, v, bias)
+  got = jax.jit(grad(sm))(q, k, v, bias)
+  for a, b in zip(got, ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+
+
 # ------------------------------------------------------------ ring attention
 def _ring_vs_full(layout, causal, n_dev=4, K=2, S=T, dtype=jnp.float32,
                   lens=True, seed=5):
