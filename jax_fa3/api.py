@@ -314,7 +314,12 @@ def flax_attention_fn(query, key, value, bias=None, mask=None,
   custom einsums.  Fully masked rows give 0 (flax: mean of V).
   """
   del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
-  if dropout_rate and dropout_rate > 0.0 and not deterministic:
+  try:
+    dropout = bool(dropout_rate and dropout_rate > 0.0 and not deterministic)
+  except jax.errors.ConcretizationTypeError as e:
+    raise ValueError("jax_fa3.flax_attention_fn needs static (Python) "
+                     "dropout_rate and deterministic, got traced values") from e
+  if dropout:
     raise ValueError(
         f"jax_fa3.flax_attention_fn does not support attention dropout "
         f"(dropout_rate={dropout_rate}, deterministic=False); set "
@@ -367,6 +372,10 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
                    implementation=None, return_lse=False, sinks=None):
   """Ring attention for use inside ``shard_map`` (sequence split over ``axis_name``).
 
+  Run the ``shard_map`` under ``jax.jit``: differentiating an eager
+  ``shard_map`` around it is not supported by JAX (its custom VJP keeps
+  symbolic zeros).
+
   Args:
     query: local shard ``[B, T/P, N, H]``; key, value: ``[B, S/P, K, H]``
       (GQA as in :func:`jax_fa3.attention`).  All devices on the ring must
@@ -394,6 +403,10 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
   S = k.shape[1]
   if layout not in ring.LAYOUTS:
     raise ValueError(f"layout must be one of {ring.LAYOUTS}, got {layout!r}")
+  if not (isinstance(axis_name, str) or (isinstance(axis_name, tuple) and
+                                         all(isinstance(a, str) for a in axis_name))):
+    raise ValueError(f"axis_name must be a mesh axis name or a tuple of them, "
+                     f"got {axis_name!r}")
   is_causal = V.check_is_causal(is_causal)
   if is_causal and T != S:
     raise ValueError("causal ring attention needs equal query and key/value "

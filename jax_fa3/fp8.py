@@ -147,6 +147,15 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
                      f"{x.dtype} of shape {x.shape}")
   if not V.is_int(block_rows) or block_rows <= 0:
     raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+  for name, flag in (("hadamard", hadamard), ("per_tensor", per_tensor),
+                     ("pow2_scales", pow2_scales)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise ValueError(f"{name} must be a bool, got {flag!r}")
+  if not V.is_int(seed):
+    raise ValueError(f"seed must be an int, got {seed!r}")
+  if signs is not None and not hadamard:
+    raise ValueError("signs are the Hadamard rotation's: pass hadamard=True "
+                     "with them")
   y = x.astype(_F32)
   if hadamard:
     if signs is None:
@@ -352,10 +361,11 @@ def quantize_qkv(q, k, v, *, block_scales=True, hadamard=True, seed=0,
                             jnp.max(out[5])]))
     return out
   bn = kv_block_rows(h)
-  kw = dict(per_tensor=not block_scales)
-  q8, qs = quantize_fp8(q, block_rows=Q_BLOCK_ROWS, hadamard=hadamard,
-                        signs=signs, **kw)
-  k8, ks = quantize_fp8(k, block_rows=bn, hadamard=hadamard, signs=signs, **kw)
+  kw = dict(per_tensor=not block_scales,
+            signs=signs if hadamard else None)
+  q8, qs = quantize_fp8(q, block_rows=Q_BLOCK_ROWS, hadamard=hadamard, **kw)
+  k8, ks = quantize_fp8(k, block_rows=bn, hadamard=hadamard, **kw)
+  kw.pop("signs")
   v8, vs = quantize_fp8(v, block_rows=bn, pow2_scales=True, **kw)
   return q8, k8, v8, qs, ks, vs
 

@@ -51,6 +51,8 @@ _F32 = jnp.float32
 
 # ------------------------------------------------------------ layout helpers
 def _zigzag_perm(n, p):
+  if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 1:
+    raise ValueError(f"num_shards must be a positive int, got {p!r}")
   if n % (2 * p):
     raise ValueError(f"zigzag layout needs the sequence length ({n}) to be a "
                      f"multiple of 2 * axis size ({2 * p})")
@@ -61,19 +63,26 @@ def _zigzag_perm(n, p):
   return np.concatenate([np.arange(i * c, (i + 1) * c) for i in order])
 
 
+def _seq_axis(x, axis):
+  if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis must be an int in [-{x.ndim}, {x.ndim}), got "
+                     f"{axis!r}")
+  return axis
+
+
 def to_zigzag(x, num_shards, axis=1):
   """Permutes a global sequence axis into the zig-zag layout.
 
   After this, splitting ``axis`` into ``num_shards`` contiguous shards gives
   device ``r`` the chunks ``r`` and ``2*num_shards-1-r``.
   """
-  perm = _zigzag_perm(x.shape[axis], num_shards)
+  perm = _zigzag_perm(x.shape[_seq_axis(x, axis)], num_shards)
   return jnp.take(x, jnp.asarray(perm), axis=axis)
 
 
 def from_zigzag(x, num_shards, axis=1):
   """Inverse of :func:`to_zigzag`."""
-  perm = _zigzag_perm(x.shape[axis], num_shards)
+  perm = _zigzag_perm(x.shape[_seq_axis(x, axis)], num_shards)
   return jnp.take(x, jnp.asarray(np.argsort(perm)), axis=axis)
 
 

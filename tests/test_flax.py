@@ -111,6 +111,9 @@ def test_dropout_raises():
                                   deterministic=True)
   with jax.default_matmul_precision("highest"):
     close(out, nn_attention(q, k, v))
+  with pytest.raises(ValueError, match="static"):  # traced: undecidable
+    jax.jit(lambda d: jax_fa3.flax_attention_fn(
+        q, k, v, dropout_rate=0.1, deterministic=d))(False)
 
 
 def test_dtype_cast_and_no_batch_dims():

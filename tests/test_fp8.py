@@ -202,6 +202,12 @@ def test_validation_errors():
     jax_fa3.attention_fp8(q8, k8, k8, qs, ks, ks, out_dtype=F32)
   with pytest.raises(ValueError, match="block_rows"):
     jax_fa3.quantize_fp8(q, block_rows=0)
+  for kw, match in ((dict(hadamard="no"), "hadamard must be a bool"),
+                    (dict(per_tensor=1), "per_tensor must be a bool"),
+                    (dict(hadamard=True, seed=1.5), "seed must be an int"),
+                    (dict(signs=jnp.ones(q.shape[-1])), "pass hadamard=True")):
+    with pytest.raises(ValueError, match=match):
+      jax_fa3.quantize_fp8(q, **kw)
 
 
 def test_fp8_emulation_pins_its_e4m3_roundings():

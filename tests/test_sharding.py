@@ -338,6 +338,13 @@ def test_zigzag_helpers():
                                 np.asarray(x))
   with pytest.raises(ValueError, match="multiple of 2"):
     ring.to_zigzag(jnp.zeros((1, 10)), 4)
+  for n in (0, -1, 2.0, True):
+    with pytest.raises(ValueError, match="num_shards"):
+      ring.to_zigzag(x, n)
+  with pytest.raises(ValueError, match="axis"):
+    ring.from_zigzag(x, 4, axis=3)
+  np.testing.assert_array_equal(  # a negative axis counts from the end
+      np.asarray(ring.to_zigzag(x, 4, axis=-2)), np.asarray(z))
 
 
 def test_ring_attention_errors():
@@ -358,6 +365,9 @@ def test_ring_attention_errors():
                                               layout="zigzag"))(q6, q6, q6)
   with pytest.raises(ValueError, match="inside shard_map"):
     jax_fa3.ring_attention(q, q, q, axis_name="sp")
+  with pytest.raises(ValueError, match="axis_name must be"):
+    sm(lambda q, k, v: jax_fa3.ring_attention(q, k, v, axis_name=["sp"]))(
+        q, q, q)
 
 
 # --------------------------------------------------------------------- FP8
