@@ -126,16 +126,18 @@ def check_scale(scale, head_dim):
   return float(scale)
 
 
+def check_bool(x, name):
+  if not isinstance(x, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a bool, got {x!r}")
+  return bool(x)
+
+
 def check_is_causal(is_causal):
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-  return bool(is_causal)
+  return check_bool(is_causal, "is_causal")
 
 
 def check_deterministic(deterministic):
-  if not isinstance(deterministic, (bool, np.bool_)):
-    raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
-  return bool(deterministic)
+  return check_bool(deterministic, "deterministic")
 
 
 def check_precision(precision):

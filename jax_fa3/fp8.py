@@ -149,8 +149,7 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
     raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
   for name, flag in (("hadamard", hadamard), ("per_tensor", per_tensor),
                      ("pow2_scales", pow2_scales)):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise ValueError(f"{name} must be a bool, got {flag!r}")
+    V.check_bool(flag, name)
   if not V.is_int(seed):
     raise ValueError(f"seed must be an int, got {seed!r}")
   if signs is not None and not hadamard:
@@ -361,11 +360,10 @@ def quantize_qkv(q, k, v, *, block_scales=True, hadamard=True, seed=0,
                             jnp.max(out[5])]))
     return out
   bn = kv_block_rows(h)
-  kw = dict(per_tensor=not block_scales,
-            signs=signs if hadamard else None)
-  q8, qs = quantize_fp8(q, block_rows=Q_BLOCK_ROWS, hadamard=hadamard, **kw)
-  k8, ks = quantize_fp8(k, block_rows=bn, hadamard=hadamard, **kw)
-  kw.pop("signs")
+  kw = dict(per_tensor=not block_scales)
+  rot = dict(hadamard=hadamard, signs=signs if hadamard else None)  # Q and K only
+  q8, qs = quantize_fp8(q, block_rows=Q_BLOCK_ROWS, **rot, **kw)
+  k8, ks = quantize_fp8(k, block_rows=bn, **rot, **kw)
   v8, vs = quantize_fp8(v, block_rows=bn, pow2_scales=True, **kw)
   return q8, k8, v8, qs, ks, vs
 
@@ -425,13 +423,11 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
 
 
 def check_fp8_options(block_scales, hadamard, seed):
-  for name, x in (("fp8_block_scales", block_scales),
-                  ("fp8_hadamard", hadamard)):
-    if not isinstance(x, (bool, np.bool_)):
-      raise ValueError(f"{name} must be a bool, got {x!r}")
+  block_scales = V.check_bool(block_scales, "fp8_block_scales")
+  hadamard = V.check_bool(hadamard, "fp8_hadamard")
   if not V.is_int(seed):
     raise ValueError(f"fp8_seed must be an int, got {seed!r}")
-  return bool(block_scales), bool(hadamard), int(seed)
+  return block_scales, hadamard, int(seed)
 
 
 def check_head_dim(h, hadamard):

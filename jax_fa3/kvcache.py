@@ -75,7 +75,7 @@ def auto_splits(batch, heads, rows, capacity, head_dim, num_sms=None):
   each part keeping at least 4 key blocks."""
   sms = num_sms or _num_sms()
   tiles = batch * heads * -(-rows // _ROWS)
-  if tiles == 0 or 5 * tiles >= 4 * sms:
+  if 5 * tiles >= 4 * sms:
     return 1
   blocks = -(-capacity // KEY_BLOCK.get(head_dim, 128))
   return max(1, min(sms // tiles, blocks // 4, 64))

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_fa3 import reference
+from jax_fa3 import _validate as V, reference
 
 __all__ = ["ring_fwd", "ring_bwd", "to_zigzag", "from_zigzag", "axis_size",
            "LAYOUTS"]
@@ -51,7 +51,7 @@ _F32 = jnp.float32
 
 # ------------------------------------------------------------ layout helpers
 def _zigzag_perm(n, p):
-  if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 1:
+  if not V.is_int(p) or p < 1:
     raise ValueError(f"num_shards must be a positive int, got {p!r}")
   if n % (2 * p):
     raise ValueError(f"zigzag layout needs the sequence length ({n}) to be a "
@@ -64,7 +64,7 @@ def _zigzag_perm(n, p):
 
 
 def _seq_axis(x, axis):
-  if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+  if not V.is_int(axis) or not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis must be an int in [-{x.ndim}, {x.ndim}), got "
                      f"{axis!r}")
   return axis

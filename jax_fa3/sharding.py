@@ -154,6 +154,17 @@ def _size(mesh, axes):
   return n
 
 
+def _mesh_and_spec(mesh, sharding):
+  """The mesh a partition runs on and ``sharding``'s spec on it.  No mesh
+  known (shardings without axis names): every device the call runs on, all
+  replicated."""
+  if mesh.empty:
+    return (Mesh(np.array(sharding._device_assignment), ("_fa3_all",)),
+            PartitionSpec())
+  return mesh, (sharding.spec if isinstance(sharding, NamedSharding)
+                else PartitionSpec())
+
+
 class Plan:
   """What the local kernel serves for a given q sharding (module doc).
 
@@ -165,13 +176,8 @@ class Plan:
     B, T, N, _ = q_shape
     S, K = kv_shape[1], kv_shape[2]
     self.batch, self.heads = B, N
-    if mesh.empty:
-      # No mesh known (shardings without axis names): replicate everything
-      # over the devices the call runs on.
-      mesh = Mesh(np.array(q_sharding._device_assignment), ("_fa3_all",))
+    mesh, spec = _mesh_and_spec(mesh, q_sharding)
     self.mesh = mesh
-    spec = (q_sharding.spec if isinstance(q_sharding, NamedSharding)
-            and not mesh.empty else PartitionSpec())
     spec = tuple(spec) + (None,) * (4 - len(spec))
     used = set()
 
@@ -472,10 +478,7 @@ def _batch_only(mesh, arg_shapes):
   """-> (mesh, x -> sharding): the batch axes of the first operand where
   they divide its batch, every other axis whole."""
   a = arg_shapes[0]
-  spec = (a.sharding.spec if isinstance(a.sharding, NamedSharding)
-          and not mesh.empty else PartitionSpec())
-  if mesh.empty:
-    mesh = Mesh(np.array(a.sharding._device_assignment), ("_fa3_all",))
+  mesh, spec = _mesh_and_spec(mesh, a.sharding)
   b = _axes(spec[0]) if len(spec) else ()
   b = _entry(b) if b and a.shape[0] % _size(mesh, b) == 0 else None
   return mesh, lambda x: NamedSharding(
@@ -498,13 +501,10 @@ def _prepass(fn, rule):
     ns = _batch_only(mesh, arg_shapes)[1]
     return tuple(ns(r) for r in result_shape)
 
-  def sharding_rule(mesh, operand_types, result_types):
-    text = rule(operand_types)
-    return text, dict(need_replication_factors=tuple(
-        f for f in dict.fromkeys(re.findall(r"[a-z]", text)) if f != "b"))
-
-  cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=sharding_rule)
+  cp.def_partition(
+      partition=partition, infer_sharding_from_operands=infer,
+      sharding_rule=rule, need_replication_factors=tuple(
+          f for f in dict.fromkeys(re.findall(r"[a-z]", rule)) if f != "b"))
 
   @custom_vmap
   def call(*args):
@@ -518,15 +518,15 @@ def _prepass(fn, rule):
 
 
 _ids_prepass = _prepass(pair_rule.from_segment_ids,
-                        lambda ops: "b i, b j -> b i, b j, b u c, b w c")
+                        "b i, b j -> b i, b j, b u c, b w c")
 _self_ids_prepass = _prepass(lambda ids: pair_rule.from_segment_ids(ids, ids),
-                             lambda ops: "b i -> b i, b i, b u c, b u c")
+                             "b i -> b i, b i, b u c, b u c")
 
 
 @functools.lru_cache(maxsize=None)
 def _mask_prepass(kv_heads):
   return _prepass(lambda m: pair_rule.from_mask(m, kv_heads, *m.shape[2:]),
-                  lambda ops: "b n t s -> b n t p a, b n s p m, b n u c, b k w c")
+                  "b n t s -> b n t p a, b n s p m, b n u c, b k w c")
 
 
 def pairs_from_segment_ids(q_ids, kv_ids):
