@@ -87,24 +87,43 @@ def is_real(x):
       isinstance(x, (bool, np.bool_))
 
 
+WINDOW_MAX = 2**30
+
+
 def check_window(local_window_size):
-  """None | int w | (left, right) -> None or (left, right) of python ints."""
+  """None | int w | (left, right) -> None or (left, right) of python ints,
+  each at most ``WINDOW_MAX`` (wider than any sequence: the same mask, and
+  ``position + window`` stays in int32)."""
   if local_window_size is None:
     return None
   w = local_window_size
   if is_int(w) and w >= 0:
-    return int(w), int(w)
+    return (min(int(w), WINDOW_MAX),) * 2
   if (isinstance(w, (tuple, list)) and len(w) == 2
       and all(is_int(x) and x >= 0 for x in w)):
-    return int(w[0]), int(w[1])
+    return min(int(w[0]), WINDOW_MAX), min(int(w[1]), WINDOW_MAX)
   raise ValueError("local_window_size must be None, a non-negative int w "
                    "(meaning (w, w)) or a pair (left, right) of non-negative "
                    f"ints, got {w!r}")
 
 
+def _static_scalar(x, name):
+  """A 0-d NumPy or concrete JAX array -> its Python value (else x as is);
+  a traced one is refused: the kernels take these as compile-time values."""
+  if isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0 and \
+      jnp.issubdtype(x.dtype, np.number) and x.dtype != bool:
+    try:
+      return x.item()
+    except jax.errors.ConcretizationTypeError as e:
+      raise ValueError(f"{name} must be a static (Python) finite number, got "
+                       "a traced value") from e
+  return x
+
+
 def check_softcap(softcap):
   if softcap is None:
     return 0.0
+  softcap = _static_scalar(softcap, "softcap")
   if not is_real(softcap) or not math.isfinite(float(softcap)) or \
       float(softcap) <= 0:
     raise ValueError("softcap must be None or a positive finite number, got "
@@ -113,14 +132,11 @@ def check_softcap(softcap):
 
 
 def check_scale(scale, head_dim):
+  if head_dim < 1:
+    raise ValueError(f"query/key head_dim must be positive, got {head_dim}")
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
-  if isinstance(scale, jax.Array) and scale.ndim == 0:
-    try:
-      scale = float(scale)  # concrete scalar array
-    except jax.errors.ConcretizationTypeError as e:
-      raise ValueError("scale must be a static (Python) finite number, got a "
-                       "traced value") from e
+  scale = _static_scalar(scale, "scale")
   if not is_real(scale) or not math.isfinite(float(scale)):
     raise ValueError(f"scale must be None or a finite number, got {scale!r}")
   return float(scale)
@@ -191,6 +207,21 @@ def kernel_blocker(dtype, head_dim, native):
     return (f"head_dim {head_dim} with dtype {dtype.name} was not compiled "
             f"into the kernels (compiled: {sorted(configs)})")
   return None
+
+
+def clamped_int32(x, name):
+  """Integers of a wider type -> int32 with out-of-range values clamped
+  (a cast would wrap them); traced wider integers are refused."""
+  orig = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+  if orig.kind in "iu" and not np.can_cast(orig, np.int32):
+    try:
+      vals = np.asarray(x)
+    except jax.errors.TracerArrayConversionError as e:
+      raise ValueError(f"{name} must be int32 (or a narrower integer type), "
+                       f"got a traced {orig} array") from e
+    info = np.iinfo(np.int32)
+    x = np.clip(vals, info.min, info.max).astype(np.int32)
+  return as_array(x, name)
 
 
 def _check_ids(ids, name, batch, length, form):

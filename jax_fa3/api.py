@@ -391,12 +391,12 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
     implementation: None (kernel when supported, else the reference), "fa3"
       or "reference".
     return_lse: also return the global log-sum-exp ``f32 [B, N, T/P]``
-      (``+inf`` for rows that see no key; not differentiable).
+      (``+inf`` for rows that see no key; differentiable).
     sinks: as in :func:`jax_fa3.attention` (replicated on the ring): the
       sink joins each row's softmax once, after the ring's merge (a row
       that sees no key then has the sink as its lse).
 
-  Local windows are not supported (ValueError).
+  Local windows are not supported (there is no window argument).
   """
   q, k, v = V.check_qkv(query, key, value)
   B, T, N, H = q.shape

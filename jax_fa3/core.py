@@ -24,6 +24,7 @@ from jax_fa3 import fp8, primitives, reference, ring, pair_rule, sharding
 __all__ = ["Config", "FP8Config", "RingConfig", "attention", "BLOCK_K"]
 
 BLOCK_K = 512  # key block of the reference's online softmax
+NO_SINK = -1e30  # the sink logit that stands for -inf
 
 @dataclasses.dataclass(frozen=True)
 class FP8Config:
@@ -76,14 +77,18 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
   equal); not with ring attention.  The kernels get them, or a ``mask``,
   as the pair-rule operands of :mod:`jax_fa3.pair_rule` (with their spans),
   computed once here and kept for the backward.
-  ``lse`` is not differentiable (its cotangent is ignored); ``bias`` gets a
-  gradient, the lengths, ``mask`` and segment ids do not."""
+  ``lse`` is differentiable too (higher-order derivatives need it); ``bias``
+  gets a gradient, the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
   S = k.shape[1]
   if q_lens is None:
     q_lens = jnp.full((B,), T, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((B,), S, jnp.int32)
+  if sinks is not None:
+    # A sink of -inf is "no sink"; a finite stand-in keeps a row that sees no
+    # key at 0 (exp(-inf - -inf) would be NaN) and changes no other row.
+    sinks = jnp.maximum(sinks, NO_SINK)
   pairs = segment_ids
   if segment_ids is not None:
     if cfg.ring is not None:
@@ -159,11 +164,13 @@ def _forward_fp8(q, k, v, q_lens, kv_lens, pairs, cfg):
       v_transposed=f.kernel, pairs=pairs)
 
 
-def _dsinks(out, lse, dout, sinks):
-  """``dsink[n] = -sum over batch and rows of P_sink * rowsum(dout * out)``
-  (``out``/``lse`` with the sinks folded in)."""
+def _dsinks(out, lse, dout, sinks, dlse=None):
+  """``dsink[n] = -sum over batch and rows of P_sink * (rowsum(dout * out)
+  - dlse)`` (``out``/``lse`` with the sinks folded in)."""
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
                      out.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - dlse
   p_sink = jnp.exp(sinks[None, :, None] - lse)
   d = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
   return reference.summed_like(d, sinks)
@@ -214,20 +221,14 @@ def _vjp_fwd(*args):
   return (out, lse), tuple(primals) + saved + (marker,)
 
 
-def _vjp_bwd(cfg, res, cts):
-  q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, out, lse, marker = res
-  dout, _ = cts
-  if isinstance(dout, SymbolicZero):
-    dout = jnp.zeros(dout.aval.shape, dout.aval.dtype)
-  bias_grad = marker is not None
-  if cfg.fp8 is not None:
-    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs,
-                          sinks, cfg)
+def _grads(cfg, q, k, v, out, lse, dout, q_lens, kv_lens, bias, mask, pairs,
+           bias_grad):
+  """``(dq, dk, dv, dbias)`` of one backward pass (dbias None unless
+  ``bias_grad``), on the path ``cfg`` names."""
   if cfg.ring is not None:
-    dq, dk, dv = ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                               *_ring_args(cfg))
-    dbias = None
-  elif cfg.kernel:
+    return (*ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
+                           *_ring_args(cfg)), None)
+  if cfg.kernel:
     *grads, dbias = sharding.fa3_bwd(
         q, k, v, out, lse, dout.astype(out.dtype), q_lens, kv_lens,
         deterministic=cfg.deterministic, pairs=pairs,
@@ -236,19 +237,54 @@ def _vjp_bwd(cfg, res, cts):
         **cfg.attrs)
     dq, dk, dv = (reference.varying_like(g, x)
                   for g, x in zip(grads, (q, k, v)))
-    if dbias is not None:
-      dbias = _reduced_dbias(dbias, bias)
+    return dq, dk, dv, None if dbias is None else _reduced_dbias(dbias, bias)
+  dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
+      q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
+      block_k=cfg.block_k, **_seg_kwargs(pairs), **cfg.attrs)
+  return dq, dk, dv, dbias if bias_grad else None
+
+
+def _lse_probe(out, lse, dlse):
+  """``(v scale 0, out', dout')`` that make a backward pass return the
+  gradient through ``lse`` alone: ``d lse_i / d s_ij = P_ij``, and a pass
+  computes ``dS = P * (dout'.v' - rowsum(dout' * out'))``; with ``v' = 0``,
+  ``out' = e_0`` and ``dout' = -dlse e_0`` that is ``P * dlse``.  (Only
+  higher-order differentiation and ring attention's ``return_lse`` send a
+  cotangent to ``lse``.)"""
+  dlse = jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+  e0 = (jnp.arange(out.shape[-1]) == 0).astype(out.dtype)
+  out1 = jnp.broadcast_to(e0, out.shape)
+  dout1 = (-jnp.swapaxes(dlse, 1, 2)[..., None] * e0).astype(out.dtype)
+  return out1, dout1, dlse
+
+
+def _vjp_bwd(cfg, res, cts):
+  q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, out, lse, marker = res
+  dout, dlse = cts
+  if isinstance(dout, SymbolicZero):
+    dout = jnp.zeros(dout.aval.shape, dout.aval.dtype)
+  bias_grad = marker is not None
+  if cfg.fp8 is not None:
+    out, lse = _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs,
+                          sinks, cfg)
+  args = (q_lens, kv_lens, bias, mask, pairs, bias_grad)
+  dq, dk, dv, dbias = _grads(cfg, q, k, v, out, lse, dout, *args)
+  if isinstance(dlse, SymbolicZero):
+    dlse = None
   else:
-    dq, dk, dv, dbias = reference.attention_bwd_with_dbias(
-        q, k, v, out, lse, dout, q_lens, kv_lens, bias=bias, mask=mask,
-        block_k=cfg.block_k, **_seg_kwargs(pairs), **cfg.attrs)
+    out1, dout1, dlse = _lse_probe(out, lse, dlse)
+    gq, gk, _, gb = _grads(cfg, q, k, jnp.zeros_like(v), out1, lse, dout1,
+                           *args)
+    dq, dk = (dq + gq).astype(q.dtype), (dk + gk).astype(k.dtype)
+    if dbias is not None:
+      dbias = (dbias + gb).astype(dbias.dtype)
   if dbias is not None:
     # Inside shard_map: typed like the shards that produced it, then summed
     # over the manual axes a replicated bias does not vary over.
     dbias = reference.summed_like(
         reference.varying_like(dbias, q, k, v, bias), bias)
   dseg = None if pairs is None else (None,) * len(pairs)
-  dsinks = None if sinks is None else _dsinks(out, lse, dout, sinks)
+  dsinks = None if sinks is None else _dsinks(out, lse, dout, sinks, dlse)
   return dq, dk, dv, None, None, dbias, None, dseg, dsinks
 
 

@@ -163,6 +163,10 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
     if signs.shape != (x.shape[-1],):
       raise ValueError(f"signs must have shape [H]=({x.shape[-1]},), got "
                        f"{signs.shape}")
+    if not isinstance(signs, jax.core.Tracer) and \
+        not np.all(np.abs(np.asarray(signs)) == 1):
+      raise ValueError("signs must be +1 or -1 (else the rotation is not "
+                       "orthogonal and does not cancel in Q K^T)")
     y = rotate(y, signs)
   amax = _block_amax(y, block_rows)
   if per_tensor:
@@ -172,7 +176,9 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
 
 
 def _amax_scales(amax, pow2):
-  scales = amax / E4M3_MAX
+  # A tiny amax / 448 flushes to 0 (x / 0 below): the smallest normal is the
+  # floor, as in the pre-pass kernel.
+  scales = jnp.maximum(amax / E4M3_MAX, np.finfo(np.float32).tiny)
   if pow2:
     mant, expo = jnp.frexp(scales)  # scales = mant * 2^expo, mant in [0.5, 1)
     scales = jnp.ldexp(jnp.ones_like(scales),

@@ -134,6 +134,9 @@ def _check_cache(k_cache, v_cache, page_table, B, K, H):
     if k_cache.shape[0] != B:
       raise ValueError(f"a contiguous cache needs batch {B}, got k_cache of "
                        f"shape {k_cache.shape} (pass page_table for a paged one)")
+    if k_cache.shape[1] == 0:
+      raise ValueError(f"a contiguous cache needs a capacity S_max >= 1, got "
+                       f"k_cache of shape {k_cache.shape}")
     return False, k_cache.shape[1], None
   pt = V.as_array(page_table, "page_table")
   if not jnp.issubdtype(pt.dtype, jnp.integer) or pt.ndim != 2 or pt.shape[0] != B:
@@ -236,7 +239,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   if len({np.dtype(x.dtype) for x in given}) > 1:
     raise ValueError("q, the caches and k_new/v_new must share one dtype, got "
                      + ", ".join(str(x.dtype) for x in given))
-  sl = V.as_array(cache_seqlens, "cache_seqlens")
+  sl = V.clamped_int32(cache_seqlens, "cache_seqlens")
   if not jnp.issubdtype(sl.dtype, jnp.integer) or sl.shape != (B,):
     raise ValueError(f"cache_seqlens must be an integer array of shape [{B}], "
                      f"got {sl.dtype} {sl.shape}")

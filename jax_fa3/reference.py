@@ -458,7 +458,7 @@ def reference_attention(q, k, v, q_lens, kv_lens, bias, mask, scale, softcap,
   """Differentiable reference returning ``(out, lse)``: the reference path of
   :func:`jax_fa3.core.attention` (its ``custom_vjp`` gives the blockwise
   :func:`attention_bwd_with_dbias`, memory O(T*block_k), rather than
-  autodiff through the scan; ``bias`` gets a gradient, ``lse`` none)."""
+  autodiff through the scan; ``bias`` and ``lse`` get gradients)."""
   from jax_fa3 import core  # core builds on this module
   cfg = core.Config(scale, softcap, window_left, window_right,
                     block_k=block_k)

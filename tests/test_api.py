@@ -168,6 +168,48 @@ def test_residual_has_no_gradient():
   assert float(jnp.max(jnp.abs(g))) == 0.0
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_second_order_gradients_match_jax_nn(causal):
+  # The backward of the backward needs the log-sum-exp's cotangent (the
+  # outer derivative reaches q and k through it); v does not see it.
+  q, k, v, _ = _rand(21, B=1, T=5, S=7, N=4, K=2, H=8)
+  bias = jax.random.normal(jax.random.key(22), (1, 4, 5, 7))
+  args = (q, k, v, bias)
+  for inner in range(4):
+    def outer(attn):
+      f = lambda *a: jnp.sum(jnp.sin(attn(*a, is_causal=causal)))
+      g = lambda *a: jnp.sum(jax.grad(f, argnums=inner)(*a) ** 2)
+      return jax.jit(jax.grad(g, argnums=(0, 1, 2, 3)))(*args)
+    ours = outer(lambda q, k, v, b, **kw: jax_fa3.dot_product_attention(
+        q, k, v, b, implementation="reference", **kw))
+    ref = outer(lambda q, k, v, b, **kw: _nn(q, k, v, bias=b, **kw))
+    for a, b in zip(ours, ref):
+      _close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_window_wider_than_int32_positions():
+  # (left, right) past any sequence: the same as an unbounded side, with no
+  # int32 overflow in position + window.
+  q, k, v, _ = _rand(23, B=1, T=4, S=5)
+  for w in [(0, 2**31 - 1), (2**31, 0), 2**40]:
+    wide = w if isinstance(w, tuple) else (w, w)
+    near = tuple(min(x, 16) for x in wide)
+    _close(jax_fa3.dot_product_attention(q, k, v, local_window_size=w),
+           _nn(q, k, v, local_window_size=near))
+
+
+def test_scale_and_softcap_take_zero_dim_arrays():
+  q, k, v, _ = _rand(24, B=1, T=4, S=5)
+  want = jax_fa3.attention(q, k, v, scale=0.25, softcap=4.0)
+  for sc, cap in [(np.float32(0.25), jnp.float32(4)), (np.array(0.25), jnp.array(4.0)),
+                  (jnp.array(0.25), np.array(4))]:
+    np.testing.assert_array_equal(
+        np.asarray(jax_fa3.attention(q, k, v, scale=sc, softcap=cap)),
+        np.asarray(want))
+  with pytest.raises(ValueError, match="traced"):
+    jax.jit(lambda s: jax_fa3.attention(q, k, v, scale=s))(0.25)
+
+
 def test_delegates_xla():
   q, k, v, _ = _rand(7, B=1, T=5, S=6)
   a = jax_fa3.dot_product_attention(q, k, v, implementation="xla",
@@ -236,6 +278,7 @@ def _bad_cases():
       "mixed_dtype": lambda: A(q, k.astype(jnp.bfloat16), v),
       "batch": lambda: A(q, k[:1], v[:1]),
       "head_dim": lambda: A(q, k[..., :4], v[..., :4]),
+      "head_dim_zero": lambda: A(q[..., :0], k[..., :0], v),
       "kv_len": lambda: A(q, k, v[:, :3]),
       "no_keys": lambda: A(q, k[:, :0], v[:, :0]),
       "dpa_no_keys": lambda: D(q, k[:, :0], v[:, :0]),

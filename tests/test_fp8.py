@@ -83,6 +83,18 @@ def test_quantize_per_tensor_zero_block_and_hadamard():
   assert _rmse(back, x) < 0.05
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_tiny_block_is_finite(pow2):
+  # amax / 448 of a tiny block flushes to 0: the scale's floor is the
+  # smallest normal, so no 0/0 (NaN) and the value survives.
+  x = jnp.zeros((1, 2, 1, 4)).at[0, 0, 0, 0].set(1e-37)
+  x8, sc = jax_fa3.quantize_fp8(x, pow2_scales=pow2)
+  deq = np.asarray(x8, np.float32) * np.asarray(sc)[..., None, None]
+  assert np.isfinite(np.asarray(x8, np.float32)).all() and float(sc.min()) > 0
+  np.testing.assert_allclose(deq.ravel()[0], 1e-37, rtol=0.15)
+  assert (deq.ravel()[1:] == 0).all()
+
+
 def test_scale_blocks_follow_the_kernel_tiles():
   assert fp8.Q_BLOCK_ROWS == 128
   assert [fp8.kv_block_rows(d) for d in (64, 128, 256)] == [128, 128, 128]
@@ -205,7 +217,9 @@ def test_validation_errors():
   for kw, match in ((dict(hadamard="no"), "hadamard must be a bool"),
                     (dict(per_tensor=1), "per_tensor must be a bool"),
                     (dict(hadamard=True, seed=1.5), "seed must be an int"),
-                    (dict(signs=jnp.ones(q.shape[-1])), "pass hadamard=True")):
+                    (dict(signs=jnp.ones(q.shape[-1])), "pass hadamard=True"),
+                    (dict(hadamard=True, signs=jnp.full(q.shape[-1], 0.5)),
+                     "must be \\+1 or -1")):
     with pytest.raises(ValueError, match=match):
       jax_fa3.quantize_fp8(q, **kw)
 

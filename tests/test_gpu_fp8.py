@@ -88,6 +88,28 @@ def test_quantize_kernel_matches_emulation(h, dtype, block_scales, hadamard):
     assert np.all(np.abs(a - b)[diff] <= np.abs(b[diff]) * 0.13 + 2.0 ** -9)
 
 
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_quantize_kernel_tiny_block_is_finite(hadamard):
+  """A block whose amax / 448 is below the smallest normal float: the scale's
+  floor keeps 1 / scale finite (else 0 * inf = NaN in the zero entries)."""
+  h = DIMS[0]
+  q, k, v = make_inputs(seed_of(h, "tiny"), 1, 256, 256, 2, 2, h, "bfloat16")
+  def tiny(x):  # the first block of head 0: zeros and one 1e-37
+    x = x.copy()
+    x[:, :128, 0] = 0
+    x[:, 0, 0, 0] = 1e-37
+    return jnp.asarray(x)
+  q, k, v = tiny(q), tiny(k), tiny(v)
+  kw = dict(block_scales=True, hadamard=hadamard, seed=1)
+  got = _quant_jit(q, k, v, use_kernel=True, **kw)
+  with jax.default_device(jax.devices("cpu")[0]):
+    want = fp8.quantize_qkv(q, k, v, use_kernel=False, **kw)
+  for a, b in zip(got, want):
+    a, b = np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=0.13, atol=2.0 ** -9)
+
+
 CORE_CASES = [
     # B, T, S, N, K, causal, window, q_lens, kv_lens
     (1, 128, 128, 2, 2, False, None, None, None),

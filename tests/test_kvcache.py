@@ -171,6 +171,11 @@ def test_deterministic_and_num_splits_accepted():
     (dict(v_cache=np.zeros((2, 64, 2, 16), jnp.bfloat16)), "share one dtype"),
     (dict(k_new=np.zeros((2, 1, 2, 16), np.float32),
           v_new=np.zeros((2, 1, 2, 16), jnp.bfloat16)), "share one dtype"),
+    (dict(k_cache=np.zeros((2, 0, 2, 16), np.float32),
+          v_cache=np.zeros((2, 0, 2, 16), np.float32)), "capacity S_max >= 1"),
+    (dict(q=np.zeros((2, 1, 4, 0), np.float32),
+          k_cache=np.zeros((2, 64, 2, 0), np.float32),
+          v_cache=np.zeros((2, 64, 2, 0), np.float32)), "head_dim must be positive"),
 ])
 def test_validation(change, match):
   q, kc, vc, _, _, lens, _ = _setup(5, 2, 1, 4, 2, 16, 64, None)
@@ -180,6 +185,19 @@ def test_validation(change, match):
     jax_fa3.attention_with_kvcache(args.pop("q"), args.pop("k_cache"),
                                    args.pop("v_cache"), args.pop("cache_seqlens"),
                                    **args)
+
+
+def test_wide_cache_seqlens_clamp_not_wrap():
+  # Documented: lengths past the capacity (or below 0) are clamped; a cast of
+  # a wider integer type to int32 would wrap them first.
+  q, kc, vc, _, _, _, _ = _setup(8, 2, 1, 4, 2, 16, 8, None)
+  full = jax_fa3.attention_with_kvcache(q, kc, vc, np.array([8, 8], np.int32))
+  none = jax_fa3.attention_with_kvcache(q, kc, vc, np.array([0, 0], np.int32))
+  for lens in (np.array([2**32 + 1, 2**40], np.int64),
+               np.array([2**32 - 1, 2**31], np.uint32)):
+    close(jax_fa3.attention_with_kvcache(q, kc, vc, lens), full)
+  close(jax_fa3.attention_with_kvcache(
+      q, kc, vc, np.array([-2**40, -2**33], np.int64)), none)
 
 
 @pytest.mark.parametrize("B,Tq", [(2, 0), (0, 1)])

@@ -213,3 +213,44 @@ def test_ring_attention_with_sinks():
   want = jax.grad(lambda s: jnp.sum(w * sink_reference(q, k, v, s,
                                                        causal=True)))(s)
   close(g, want, rtol=1e-4, atol=2e-5)
+
+
+def test_sink_of_minus_infinity_is_no_sink():
+  # Rows that see no key stay 0 with finite gradients (exp(-inf - -inf)
+  # would be NaN); the other rows are those without a sink.
+  q, k, v, w, _ = inputs(11, B=2, T=9, S=7)
+  sinks = jnp.array([-jnp.inf, 0.5, -jnp.inf, -1.0])
+  lens = jnp.array([5, 9], jnp.int32), jnp.array([0, 7], jnp.int32)
+  kw = dict(query_seq_lengths=lens[0], key_value_seq_lengths=lens[1])
+  out, grads = check(q, k, v, w, sinks, dict(q_lens=lens[0], kv_lens=lens[1]),
+                     **kw)
+  plain = jax_fa3.attention(q, k, v, **kw)
+  heads = np.array([0, 2])
+  close(out[:, :, heads], plain[:, :, heads])
+  assert np.asarray(grads[3])[heads].tolist() == [0.0, 0.0]
+
+
+def test_ring_attention_lse_gradient():
+  # return_lse's log-sum-exp is differentiable (through the ring's backward).
+  from jax.sharding import Mesh, PartitionSpec as P
+  devs = np.array(jax.devices()[:4])
+  if len(devs) < 4:
+    pytest.skip("needs 4 devices")
+  mesh = Mesh(devs, ("sp",))
+  q, k, v, w, s = inputs(12, B=1, T=64, S=64, N=4, K=2)
+  u = jax.random.normal(jax.random.key(13), (1, 4, 64))
+  for causal in (False, True):
+    def local(q, k, v, s):
+      return jax_fa3.ring_attention(q, k, v, axis_name="sp", is_causal=causal,
+                                    sinks=s, return_lse=True)
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
+                      out_specs=(P(None, "sp"), P(None, None, "sp")))
+    loss = lambda q, k, v, s: jnp.sum(w * f(q, k, v, s)[0]) + jnp.sum(
+        u * f(q, k, v, s)[1])
+    want_loss = lambda q, k, v, s: (
+        lambda o, l: jnp.sum(w * o) + jnp.sum(u * l))(
+            *sink_reference(q, k, v, s, causal=causal, return_lse=True))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, s)
+    want = jax.grad(want_loss, argnums=(0, 1, 2, 3))(q, k, v, s)
+    for a, b in zip(got, want):
+      close(a, b, rtol=1e-4, atol=2e-5)

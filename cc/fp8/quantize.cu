@@ -207,11 +207,11 @@ quantize_kernel(const QuantParams p) {
   } else if (!(amax > 0.f)) {
     scale = qt.pow2 ? FLT_MIN : 1.f;
   } else if (qt.pow2) {
-    int e;
-    const float m = frexpf(amax / kE4M3Max, &e);  // amax / 448 = m * 2^e, m in [0.5, 1)
+    int e;  // a tiny amax / 448 would flush to 0: FLT_MIN is the floor
+    const float m = frexpf(fmaxf(amax / kE4M3Max, FLT_MIN), &e);  // = m * 2^e, m in [0.5, 1)
     scale = ldexpf(1.f, m == 0.5f ? e - 1 : e);
   } else {
-    scale = amax / kE4M3Max;
+    scale = fmaxf(amax / kE4M3Max, FLT_MIN);
   }
   const float inv = 1.f / scale;
   if (threadIdx.x == 0) { qt.scales[(int64_t(batch) * qt.heads + head) * num_rb + rb] = scale; }
