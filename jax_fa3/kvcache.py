@@ -258,12 +258,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
            else jnp.zeros((B, 0), jnp.int32))
   k_cache, v_cache = kc, vc
   new_rows = 0
+  kernel = q.size and _kernel_path(q, paged, page_size)  # an empty query: the reference's empty output
   if k_new is not None:
     # In place (the results alias the caches); rows land at clip(sl) + i.
-    k_cache, v_cache = sharding.kvcache_append(k_new, v_new, k_cache, v_cache,
-                                               sl, table)
+    # The dense path's scatter is plain JAX: sharding propagates through it
+    # as through the attention after it (which may split the kv heads over
+    # part of a mesh axis, a sharding the partitioned kernel cannot take).
+    append = sharding.kvcache_append if kernel else reference.kvcache_append
+    k_cache, v_cache = append(k_new, v_new, k_cache, v_cache, sl, table)
     new_rows = Tq
-  if q.size and _kernel_path(q, paged, page_size):  # an empty query: the reference's empty output
+  if kernel:
     out = _kernel_attention(q, k_cache, v_cache, sl, table, capacity,
                             scale=scale, causal=causal, window=window,
                             softcap=softcap, num_splits=num_splits,

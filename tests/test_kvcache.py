@@ -338,6 +338,26 @@ def test_sharded_batch_and_heads_equal_unsharded(paged):
     assert np.prod([int(x) for x in m.group(1).split(",") if x]) <= kn.size, m.group(0)
 
 
+@pytest.mark.parametrize("dtype,H", [(jnp.float32, 16), (jnp.bfloat16, 64)])
+def test_query_heads_sharded_past_the_kv_heads_with_append(dtype, H):
+  # 8 query heads over a 4-device axis, 2 kv heads: the dense path's
+  # attention splits the kv heads over part of that axis, which reaches the
+  # appended caches (the partitioned append could not take it).
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  devs = np.array(jax.devices("cpu")[:8])
+  if len(devs) < 8:
+    pytest.skip("needs 8 devices")
+  mesh = Mesh(devs.reshape(2, 4), ("b", "h"))
+  q, kc, vc, kn, vn, lens, _ = _setup(12, 4, 1, 8, 2, H, 16, None, dtype)
+  fn = lambda q, kc, vc, lens, kn, vn: jax_fa3.attention_with_kvcache(  # noqa: E731
+      q, kc, vc, lens, k_new=kn, v_new=vn)
+  want = jax.jit(fn)(q, kc, vc, lens, kn, vn)
+  qs = jax.device_put(q, NamedSharding(mesh, P("b", None, "h", None)))
+  got = jax.jit(fn)(qs, kc, vc, lens, kn, vn)
+  for g, w in zip(got, want):
+    close(g, w, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("page_size", [None, 128])
 def test_donated_caches_update_in_place(page_size):
   # Under jit with the caches donated, the appended caches alias the inputs:
