@@ -102,11 +102,14 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
   if (bias is not None and bias.shape[3] == 1 and sinks is None
       and cfg.kernel and cfg.fp8 is None and cfg.ring is None):
     # A bias constant along the keys shifts a row's scores alike: the
-    # softmax drops it (its gradient is 0), only the log-sum-exp keeps it.
+    # softmax drops it (its gradient is 0), only the log-sum-exp keeps it;
+    # -inf hides the row's keys (a row that sees no key: 0 and lse +inf).
     out, lse = _attention(q, k, v, q_lens, kv_lens, None, mask, pairs, sinks,
                           cfg)
     shift = jnp.broadcast_to(bias[..., 0], lse.shape).astype(lse.dtype)
-    return out, lse + jax.lax.stop_gradient(shift)
+    dead = jnp.isneginf(shift)
+    out = jnp.where(jnp.swapaxes(dead, 1, 2)[..., None], 0, out).astype(out.dtype)
+    return out, jnp.where(dead, jnp.inf, lse + shift)
   return _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg)
 
 

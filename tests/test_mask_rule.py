@@ -190,3 +190,20 @@ def test_sharded_batch_and_heads(monkeypatch, spec):
     close(np.asarray(got, np.float32), np.asarray(want, np.float32),
           rtol=1e-2, atol=1e-2)
     close_trees(got_g, want_g, rtol=2e-2, atol=2e-2)
+
+
+def test_key_constant_bias_with_minus_infinity_on_the_kernel_path(monkeypatch):
+  # The kernel path drops a bias constant along the keys from the softmax
+  # (it only shifts the lse); -inf there hides the row's keys: 0 and lse
+  # +inf, as the reference gives.  Finite shifts keep the lse's gradient.
+  from jax_fa3 import api
+  q, k, v, _ = rand(7, B=1, T=4, S=5, N=2, K=2, H=16, dtype=jnp.bfloat16)
+  bias = jnp.zeros((1, 2, 4, 1), jnp.bfloat16).at[0, 0, 1, 0].set(-jnp.inf)
+  run = lambda impl: jax_fa3.dot_product_attention(
+      q, k, v, bias=bias, return_residual=True, implementation=impl)
+  want = run("reference")
+  monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
+  got = run("fa3")
+  assert float(want[1][0, 1, 0]) == float(got[1][0, 1, 0]) == np.inf
+  assert not np.asarray(got[0][0, 1, 0], np.float32).any()
+  close_trees(got, want, rtol=2e-2, atol=2e-2)
