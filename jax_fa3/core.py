@@ -224,6 +224,20 @@ def _vjp_fwd(*args):
   return (out, lse), tuple(primals) + saved + (marker,)
 
 
+def no_derivative(fn, why):
+  """``fn`` whose derivative raises ``ValueError(why)``: calls of kernels
+  that have no derivative of their own (else JAX's error names only
+  ``custom_partitioning``)."""
+  @jax.custom_jvp
+  def call(*args):
+    return fn(*args)
+
+  @call.defjvp
+  def _jvp(primals, tangents):
+    raise ValueError(why)
+  return call
+
+
 def _grads(cfg, q, k, v, out, lse, dout, q_lens, kv_lens, bias, mask, pairs,
            bias_grad):
   """``(dq, dk, dv, dbias)`` of one backward pass (dbias None unless
@@ -232,12 +246,15 @@ def _grads(cfg, q, k, v, out, lse, dout, q_lens, kv_lens, bias, mask, pairs,
     return (*ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                            *_ring_args(cfg)), None)
   if cfg.kernel:
-    *grads, dbias = sharding.fa3_bwd(
-        q, k, v, out, lse, dout.astype(out.dtype), q_lens, kv_lens,
-        deterministic=cfg.deterministic, pairs=pairs,
-        bias=_kernel_bias(bias, q, k),
-        dbias_dtype=_dbias_dtype(bias, q, k) if bias_grad else None,
-        **cfg.attrs)
+    kernels = partial(sharding.fa3_bwd, deterministic=cfg.deterministic,
+                  dbias_dtype=_dbias_dtype(bias, q, k) if bias_grad else None,
+                  **cfg.attrs)
+    bwd = no_derivative(
+        lambda *a: kernels(*a[:8], pairs=a[8], bias=a[9]),
+        "derivatives of second and higher order run on implementation="
+        "'reference' (the backward kernels have no derivative)")
+    *grads, dbias = bwd(q, k, v, out, lse, dout.astype(out.dtype), q_lens,
+                        kv_lens, pairs, _kernel_bias(bias, q, k))
     dq, dk, dv = (reference.varying_like(g, x)
                   for g, x in zip(grads, (q, k, v)))
     return dq, dk, dv, None if dbias is None else _reduced_dbias(dbias, bias)

@@ -46,9 +46,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa3 import _validate as V
-from jax_fa3 import reference, sharding
+from jax_fa3 import core, reference, sharding
 
 __all__ = ["attention_with_kvcache", "KEY_BLOCK"]
+
+_NO_GRAD = ("attention_with_kvcache is not differentiable on the kernels (an "
+            "inference call); float32 inputs run its differentiable reference")
+
 
 # Key block of the forward kernels per head dim (FwdTileConfig in
 # cc/fwd/traits.h): a page must hold whole blocks.
@@ -112,10 +116,10 @@ def _kernel_attention(q, k_cache, v_cache, lengths, table, capacity, *, scale,
   left = window[0] if window is not None else -1
   right = 0 if causal else (window[1] if window is not None else -1)
   ns = num_splits or auto_splits(B, heads, rows, capacity, H)
-  out, lse = sharding.kvcache_fwd(
-      q, k_cache, v_cache, lengths, table, scale=scale, softcap=softcap,
-      window_left=left, window_right=right, q_pack=pack, num_splits=ns,
-      new_rows=new_rows)
+  fwd = core.no_derivative(lambda *a: sharding.kvcache_fwd(
+      *a, scale=scale, softcap=softcap, window_left=left, window_right=right,
+      q_pack=pack, num_splits=ns, new_rows=new_rows), _NO_GRAD)
+  out, lse = fwd(q, k_cache, v_cache, lengths, table)
   return _merge_splits(out, lse)
 
 
@@ -264,7 +268,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
     # The dense path's scatter is plain JAX: sharding propagates through it
     # as through the attention after it (which may split the kv heads over
     # part of a mesh axis, a sharding the partitioned kernel cannot take).
-    append = sharding.kvcache_append if kernel else reference.kvcache_append
+    append = (core.no_derivative(sharding.kvcache_append, _NO_GRAD) if kernel
+              else reference.kvcache_append)
     k_cache, v_cache = append(k_new, v_new, k_cache, v_cache, sl, table)
     new_rows = Tq
   if kernel:

@@ -187,6 +187,17 @@ def test_second_order_gradients_match_jax_nn(causal):
       _close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_second_order_on_the_kernel_path_is_a_value_error(monkeypatch):
+  from jax_fa3 import api
+  monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
+  q, k, v, _ = _rand(25, B=1, T=4, S=4, N=2, K=2, H=16, dtype=jnp.bfloat16)
+  f = lambda q: jnp.sum(jax_fa3.attention(q, k, v, implementation="fa3")
+                        .astype(jnp.float32))
+  assert jax.grad(f)(q).shape == q.shape  # first order: the kernels
+  with pytest.raises(ValueError, match="implementation='reference'"):
+    jax.grad(lambda q: jnp.sum(jax.grad(f)(q).astype(jnp.float32) ** 2))(q)
+
+
 def test_window_wider_than_int32_positions():
   # (left, right) past any sequence: the same as an unbounded side, with no
   # int32 overflow in position + window.

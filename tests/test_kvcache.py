@@ -426,3 +426,18 @@ def test_cuda_lowering_reads_decode_queries_in_place(monkeypatch, Tq, N, K,
   assert f"(tensor<{q_type}xbf16>" in calls[0]
   moving = _moving_transposes(text)
   assert len(moving) == (0 if Tq == 1 else 2), moving
+
+
+def test_kernel_path_gradient_is_a_value_error(monkeypatch):
+  # An inference call: its kernels have no derivative, and say so.
+  from jax_fa3 import _native
+  configs = frozenset({("bfloat16", 64)})
+  monkeypatch.setattr(_native, "available", lambda: True)
+  monkeypatch.setattr(_native, "sm90_gpu_present", lambda: True)
+  monkeypatch.setattr(_native, "compiled_configs", lambda: configs)
+  q, kc, vc, kn, vn, lens, _ = _setup(13, 1, 1, 2, 2, 64, 128, None, jnp.bfloat16)
+  for kw in (dict(), dict(k_new=kn, v_new=vn)):
+    f = lambda q: jnp.sum(jnp.asarray(jax.tree.leaves(  # noqa: E731
+        jax_fa3.attention_with_kvcache(q, kc, vc, lens, **kw))[0], jnp.float32))
+    with pytest.raises(ValueError, match="not differentiable"):
+      jax.grad(f)(q)
