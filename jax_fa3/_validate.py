@@ -209,35 +209,38 @@ def kernel_blocker(dtype, head_dim, native):
   return None
 
 
-def clamped_int32(x, name):
-  """Integers of a wider type -> int32 with out-of-range values clamped
-  (a cast would wrap them); traced wider integers are refused."""
+def _wide_ints(x, name):
+  """The values of integers wider than int32 as NumPy (a cast to int32
+  would wrap them), else None; traced wider integers are refused."""
   orig = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
-  if orig.kind in "iu" and not np.can_cast(orig, np.int32):
-    try:
-      vals = np.asarray(x)
-    except jax.errors.TracerArrayConversionError as e:
-      raise ValueError(f"{name} must be int32 (or a narrower integer type), "
-                       f"got a traced {orig} array") from e
-    info = np.iinfo(np.int32)
-    x = np.clip(vals, info.min, info.max).astype(np.int32)
+  if orig.kind not in "iu" or np.can_cast(orig, np.int32):
+    return None
+  try:
+    return np.asarray(x)
+  except jax.errors.TracerArrayConversionError as e:
+    raise ValueError(f"{name} must be int32 (or a narrower integer type), "
+                     f"got a traced {orig} array") from e
+
+
+_I32 = np.iinfo(np.int32)
+
+
+def clamped_int32(x, name):
+  """Integers -> int32 with values outside its range clamped."""
+  vals = _wide_ints(x, name)
+  if vals is not None:
+    x = np.clip(vals, _I32.min, _I32.max).astype(np.int32)
   return as_array(x, name)
 
 
 def _check_ids(ids, name, batch, length, form):
-  orig = np.dtype(ids.dtype) if hasattr(ids, "dtype") else np.asarray(ids).dtype
-  if orig.kind in "iu" and not np.can_cast(orig, np.int32):
-    # Wider ids would be cut to int32, merging distinct segments: only
-    # concrete values that fit pass.
-    try:
-      vals = np.asarray(ids)
-    except jax.errors.TracerArrayConversionError as e:
-      raise ValueError(f"{name} must be int32 (or a narrower integer type), "
-                       f"got a traced {orig} array") from e
-    info = np.iinfo(np.int32)
-    if vals.size and (vals.min() < info.min or vals.max() > info.max):
-      raise ValueError(f"{name} holds values outside int32's range (dtype "
-                       f"{orig}); distinct ids would merge when cast")
+  # Wider ids would merge distinct segments when cut to int32: only concrete
+  # values that fit pass.
+  vals = _wide_ints(ids, name)
+  if vals is not None and vals.size and (vals.min() < _I32.min or
+                                         vals.max() > _I32.max):
+    raise ValueError(f"{name} holds values outside int32's range (dtype "
+                     f"{vals.dtype}); distinct ids would merge when cast")
   ids = as_array(ids, name)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer (int32) array of shape "

@@ -194,20 +194,27 @@ def test_value_head_dim_validation():
     jax_fa3.dot_product_attention(q, k, v)  # jax.nn's rule: Hv == H
 
 
-def test_ring_attention_with_sinks():
-  # The sink joins once, after the ring's merge of the shards.
+def _ring(causal, return_lse=False):
+  """ring_attention with sinks over a 4-device sequence axis (skips with
+  fewer devices): f(q, k, v, sinks)."""
   from jax.sharding import Mesh, PartitionSpec as P
   devs = np.array(jax.devices()[:4])
   if len(devs) < 4:
     pytest.skip("needs 4 devices")
   mesh = Mesh(devs, ("sp",))
-  q, k, v, w, s = inputs(10, B=1, T=64, S=64, N=4, K=2)
 
   def local(q, k, v, s):
-    return jax_fa3.ring_attention(q, k, v, axis_name="sp", is_causal=True,
-                                  sinks=s)
-  f = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
-                    out_specs=P(None, "sp"))
+    return jax_fa3.ring_attention(q, k, v, axis_name="sp", is_causal=causal,
+                                  sinks=s, return_lse=return_lse)
+  out = (P(None, "sp"), P(None, None, "sp")) if return_lse else P(None, "sp")
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
+                       out_specs=out)
+
+
+def test_ring_attention_with_sinks():
+  # The sink joins once, after the ring's merge of the shards.
+  f = _ring(causal=True)
+  q, k, v, w, s = inputs(10, B=1, T=64, S=64, N=4, K=2)
   close(jax.jit(f)(q, k, v, s), sink_reference(q, k, v, s, causal=True))
   g = jax.jit(jax.grad(lambda s: jnp.sum(w * f(q, k, v, s))))(s)
   want = jax.grad(lambda s: jnp.sum(w * sink_reference(q, k, v, s,
@@ -232,19 +239,10 @@ def test_sink_of_minus_infinity_is_no_sink():
 
 def test_ring_attention_lse_gradient():
   # return_lse's log-sum-exp is differentiable (through the ring's backward).
-  from jax.sharding import Mesh, PartitionSpec as P
-  devs = np.array(jax.devices()[:4])
-  if len(devs) < 4:
-    pytest.skip("needs 4 devices")
-  mesh = Mesh(devs, ("sp",))
   q, k, v, w, s = inputs(12, B=1, T=64, S=64, N=4, K=2)
   u = jax.random.normal(jax.random.key(13), (1, 4, 64))
   for causal in (False, True):
-    def local(q, k, v, s):
-      return jax_fa3.ring_attention(q, k, v, axis_name="sp", is_causal=causal,
-                                    sinks=s, return_lse=True)
-    f = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
-                      out_specs=(P(None, "sp"), P(None, None, "sp")))
+    f = _ring(causal, return_lse=True)
     loss = lambda q, k, v, s: jnp.sum(w * f(q, k, v, s)[0]) + jnp.sum(
         u * f(q, k, v, s)[1])
     want_loss = lambda q, k, v, s: (
