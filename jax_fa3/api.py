@@ -216,9 +216,12 @@ def attention_fp8(query, key, value, q_scale, k_scale, v_scale, *,
       query_seq_lengths, key_value_seq_lengths, local_window_size, is_causal,
       scale, b, h)
   V.check_implementation(implementation, _OWN_IMPLS)
-  out, _ = fp8.attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens,
-                                   scale, wl, wr, out_dtype, implementation)
-  return out
+  attend = core.no_derivative(
+      lambda *a: fp8.attention_quantized(*a, scale, wl, wr, out_dtype,
+                                         implementation)[0],
+      "attention_fp8 is not differentiable (attention(precision='fp8') has a "
+      "straight-through gradient)")
+  return attend(q8, k8, v8, qs, ks, vs, q_lens, kv_lens)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,

@@ -224,6 +224,18 @@ def test_validation_errors():
       jax_fa3.quantize_fp8(q, **kw)
 
 
+def test_attention_fp8_gradient_is_a_value_error():
+  # Documented as not differentiable: a clear error, not a gradient of the
+  # emulation with respect to the scales.
+  q = _normal(4, (1, 128, 2, 64))
+  q8, qs = jax_fa3.quantize_fp8(q)
+  f = lambda s: jnp.sum(jax_fa3.attention_fp8(q8, q8, q8, s, s, s)
+                        .astype(F32))
+  assert np.isfinite(np.asarray(f(qs)))
+  with pytest.raises(ValueError, match="not differentiable"):
+    jax.grad(f)(qs)
+
+
 def test_fp8_emulation_pins_its_e4m3_roundings():
   # XLA:GPU may fold an f32 -> e4m3 -> f32 round trip inside one jit; the
   # emulation keeps its roundings behind optimization barriers.
