@@ -111,7 +111,7 @@ def _static_scalar(x, name):
   """A 0-d NumPy or concrete JAX array -> its Python value (else x as is);
   a traced one is refused: the kernels take these as compile-time values."""
   if isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0 and \
-      jnp.issubdtype(x.dtype, np.number) and x.dtype != bool:
+      jnp.issubdtype(x.dtype, np.number):
     try:
       return x.item()
     except jax.errors.ConcretizationTypeError as e:

@@ -163,8 +163,11 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
     if signs.shape != (x.shape[-1],):
       raise ValueError(f"signs must have shape [H]=({x.shape[-1]},), got "
                        f"{signs.shape}")
-    if not isinstance(signs, jax.core.Tracer) and \
-        not np.all(np.abs(np.asarray(signs)) == 1):
+    try:
+      concrete = np.asarray(signs)
+    except jax.errors.TracerArrayConversionError:
+      concrete = None  # traced signs: the caller's to get right
+    if concrete is not None and not np.all(np.abs(concrete) == 1):
       raise ValueError("signs must be +1 or -1 (else the rotation is not "
                        "orthogonal and does not cancel in Q K^T)")
     y = rotate(y, signs)

@@ -52,6 +52,7 @@ __all__ = ["attention_with_kvcache", "KEY_BLOCK"]
 
 _NO_GRAD = ("attention_with_kvcache is not differentiable on the kernels (an "
             "inference call); float32 inputs run its differentiable reference")
+_append_kernel = core.no_derivative(sharding.kvcache_append, _NO_GRAD)
 
 
 # Key block of the forward kernels per head dim (FwdTileConfig in
@@ -262,14 +263,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
            else jnp.zeros((B, 0), jnp.int32))
   k_cache, v_cache = kc, vc
   new_rows = 0
-  kernel = q.size and _kernel_path(q, paged, page_size)  # an empty query: the reference's empty output
+  # An empty query takes the reference (its empty output).
+  kernel = q.size > 0 and _kernel_path(q, paged, page_size)
   if k_new is not None:
     # In place (the results alias the caches); rows land at clip(sl) + i.
     # The dense path's scatter is plain JAX: sharding propagates through it
     # as through the attention after it (which may split the kv heads over
     # part of a mesh axis, a sharding the partitioned kernel cannot take).
-    append = (core.no_derivative(sharding.kvcache_append, _NO_GRAD) if kernel
-              else reference.kvcache_append)
+    append = _append_kernel if kernel else reference.kvcache_append
     k_cache, v_cache = append(k_new, v_new, k_cache, v_cache, sl, table)
     new_rows = Tq
   if kernel:
