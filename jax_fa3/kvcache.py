@@ -20,8 +20,10 @@ Semantics (the contract the kernels will keep):
   right)`` is relative to the same diagonal.  A query that sees no key
   (e.g. position < 0 when ``L[b] < Tq``) outputs 0.
 * Out-of-range values at run time never read or write outside the cache:
-  ``cache_seqlens`` is clamped to ``[0, capacity]``, new rows past the
-  capacity are dropped, page ids are clamped to ``[0, num_pages - 1]``.
+  ``cache_seqlens`` is clamped to ``[0, capacity]``; page ids are clamped
+  to ``[0, num_pages - 1]`` where keys are read; new rows past the capacity
+  or bound for a page id outside the pool (-1 for an unallocated page) are
+  dropped, so no other row's page is overwritten.
 
 The kernel path (bfloat16 / float16, head dims 64, 96, 128, 192, 256;
 pages of a multiple of the kernels' key block, :data:`KEY_BLOCK`: 128

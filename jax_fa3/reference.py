@@ -268,9 +268,14 @@ def cache_slots(page_table, page_size, num_pages, pos):
   if not page_table.shape[1]:
     b = jnp.broadcast_to(jnp.arange(pos.shape[0])[:, None], pos.shape)
     return b, pos
+  return jnp.clip(page_ids(page_table, page_size, pos), 0, num_pages - 1), \
+      pos % page_size
+
+
+def page_ids(page_table, page_size, pos):
+  """The page-table entries (unclamped) holding positions ``pos [B, L]``."""
   col = jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)
-  page = jnp.take_along_axis(page_table, col, axis=1)
-  return jnp.clip(page, 0, num_pages - 1), pos % page_size
+  return jnp.take_along_axis(page_table, col, axis=1)
 
 
 def dense_cache(cache, page_table):
@@ -288,8 +293,8 @@ def kvcache_append(k_new, v_new, k_cache, v_cache, seqlens, page_table):
   """The append kernel (``primitives.kvcache_append``) in pure JAX: row ``i``
   of ``k_new, v_new [B, Tq, K, H]`` lands at position ``clip(seqlens, 0, C)
   + i`` of its batch row (capacity ``C``: ``S`` of a contiguous ``[B, S, K,
-  H]`` cache, ``pages * page_size`` of a paged one); rows past ``C`` are
-  dropped."""
+  H]`` cache, ``pages * page_size`` of a paged one); rows past ``C``, or
+  bound for a page id outside the pool (-1: unallocated), are dropped."""
   paged = page_table.shape[1] > 0
   ps = k_cache.shape[1]
   cap = page_table.shape[1] * ps if paged else ps
@@ -297,8 +302,12 @@ def kvcache_append(k_new, v_new, k_cache, v_cache, seqlens, page_table):
   pos = (jnp.clip(seqlens, 0, cap)[:, None]
          + jnp.arange(Tq, dtype=jnp.int32)[None])
   i0, i1 = cache_slots(page_table, ps, k_cache.shape[0], pos)
-  # Rows past the capacity get an index past the end, which mode="drop" ignores.
-  i0 = jnp.where(pos < cap, i0, k_cache.shape[0])
+  keep = pos < cap
+  if paged:  # a bad page id must not overwrite another row's page
+    page = page_ids(page_table, ps, pos)
+    keep &= (page >= 0) & (page < k_cache.shape[0])
+  # Dropped rows get an index past the end, which mode="drop" ignores.
+  i0 = jnp.where(keep, i0, k_cache.shape[0])
   return (k_cache.at[i0, i1].set(k_new.astype(k_cache.dtype), mode="drop"),
           v_cache.at[i0, i1].set(v_new.astype(v_cache.dtype), mode="drop"))
 

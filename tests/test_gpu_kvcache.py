@@ -20,7 +20,7 @@ from jax_fa3 import primitives
 from jax_fa3.kvcache import KEY_BLOCK
 from fa3_testing import cid, kernel_configs
 from host_reference import FA3_ATOL, assert_fa3_rule, np_dtype
-from test_kvcache import bottom_right_visible
+from test_kvcache import appends_past_bad_pages, bottom_right_visible
 
 pytestmark = pytest.mark.gpu
 
@@ -185,6 +185,20 @@ def test_variants(cfg, kind):
   elif kind == "noncausal_tq5":
     kw.update(is_causal=False, Tq=5, paged=False)
   _run(cfg, **kw)
+
+
+@pytest.mark.parametrize("cfg", PRIMARY, ids=cid)
+def test_append_to_a_bad_page_is_dropped(cfg):
+  # The append kernel drops rows bound for a page id outside the pool
+  # instead of writing another row's page.
+  dtype_name, H = cfg
+  q, kc, vc, kn, vn, _, table = _setup(3, np_dtype(dtype_name), 2, 4, 8, 2, H,
+                                       4 * KEY_BLOCK[H], KEY_BLOCK[H])
+  f = jax.jit(lambda lens, t: jax_fa3.attention_with_kvcache(
+      q, kc, vc, lens, k_new=kn, v_new=vn, page_table=t))
+  assert primitives.KVCACHE_APPEND_TARGET in f.lower(
+      jnp.zeros(2, jnp.int32), table).as_text()
+  appends_past_bad_pages(f, kc, vc, kn, vn, np.asarray(table))
 
 
 @pytest.mark.parametrize("cfg", PRIMARY, ids=cid)

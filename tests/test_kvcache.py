@@ -146,6 +146,34 @@ def test_bf16_and_out_of_range_values_stay_in_the_cache():
   assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
+def appends_past_bad_pages(call, kc, vc, kn, vn, table):
+  """Check ``call(lens, table) -> (out, k_cache, v_cache)`` drops the new
+  rows bound for a page id outside the pool (-1, unallocated; past the end)
+  and writes the others: row 0 appends into its first page, row 1 across its
+  second, and those table entries are made bad in turn."""
+  ps, pool = kc.shape[1], kc.shape[0]
+  Tq = kn.shape[1]
+  lens = np.array([0, ps - Tq // 2], np.int32)
+  for bad_id in (-1, pool, 2**31 - 1):
+    bad = np.array(table)
+    bad[0, 0] = bad[1, 1] = bad_id
+    _, kc2, vc2 = call(jnp.asarray(lens), jnp.asarray(bad))
+    for old, new, rows in ((kc, kc2, kn), (vc, vc2, vn)):
+      old, new, rows = (np.asarray(x, np.float32) for x in (old, new, rows))
+      want = old.copy()  # row 1's first new rows still fill its first page
+      want[table[1, 0], ps - Tq // 2:] = rows[1, :Tq // 2]
+      np.testing.assert_array_equal(new, want, err_msg=f"page id {bad_id}")
+
+
+def test_append_to_a_bad_page_is_dropped():
+  B, Tq, N, K, H, cap, ps = 2, 4, 4, 2, 16, 32, 8
+  q, kc, vc, kn, vn, _, table = _setup(6, B, Tq, N, K, H, cap, ps)
+  appends_past_bad_pages(
+      lambda lens, t: jax_fa3.attention_with_kvcache(
+          q, kc, vc, lens, k_new=kn, v_new=vn, page_table=t),
+      kc, vc, kn, vn, table)
+
+
 def test_deterministic_and_num_splits_accepted():
   q, kc, vc, kn, vn, lens, table = _setup(4, 2, 1, 4, 2, 16, 64, None)
   a = jax_fa3.attention_with_kvcache(q, kc, vc, lens, num_splits=3)

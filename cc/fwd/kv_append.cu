@@ -25,8 +25,10 @@ __global__ void kv_append_kernel(const KvAppendParams p) {
     if (pos >= p.capacity) { continue; }
     int64_t slot;  // [slot, kh] row of the cache
     if (p.pages.table != nullptr) {
-      const int page = min(max(p.pages.table[int64_t(b) * p.pages.pages_per_row + pos / p.pages.page_size], 0),
-                           p.pages.num_pages - 1);
+      // A page id outside the pool (-1: unallocated) drops the row rather
+      // than overwrite another row's page.
+      const int page = p.pages.table[int64_t(b) * p.pages.pages_per_row + pos / p.pages.page_size];
+      if (page < 0 || page >= p.pages.num_pages) { continue; }
       slot = int64_t(page) * p.pages.page_size + pos % p.pages.page_size;
     } else {
       slot = int64_t(b) * p.capacity + pos;

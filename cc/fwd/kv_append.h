@@ -12,8 +12,9 @@ namespace jax_fa3 {
 
 // Row i of batch b of k_new / v_new [b, tq, kh, d] lands at position
 // clamp(seqlens[b], 0, capacity) + i of that batch row's cache (through the
-// page table when paged, page ids clamped to the pool, as the attention
-// kernels read them); rows at or past the capacity are dropped. The copy is
+// page table when paged); rows at or past the capacity, or whose page id is
+// outside the pool, are dropped (the attention kernels clamp page ids when
+// they read, so nothing outside the pool is touched either way). The copy is
 // dtype-blind: rows of row_bytes (a multiple of 16) bytes.
 struct KvAppendParams {
   const void* k_new = nullptr;
