@@ -64,14 +64,17 @@ def check_qkv(query, key, value, *, ndim=4, value_head_dim=False):
 
 
 def check_seq_lengths(lens, name, batch):
+  """An integer array [B] -> int32 (NumPy's default int64 too, as jax.nn
+  takes it; lengths past int32's range clamp, as lengths past T do)."""
   if lens is None:
     return None
-  orig_dtype = getattr(lens, "dtype", None)
-  lens = as_array(lens, name)
-  if orig_dtype is not None and np.dtype(orig_dtype) != np.dtype(np.int32):
+  orig_dtype = np.dtype(lens.dtype if hasattr(lens, "dtype")
+                        else np.asarray(lens).dtype)
+  if orig_dtype.kind not in "iu":
     raise ValueError(f"{name} must be an int32 array of shape [B]=({batch},), "
                      f"got dtype {orig_dtype}")
-  if lens.dtype != np.dtype(np.int32) or lens.shape != (batch,):
+  lens = clamped_int32(lens, name).astype(jnp.int32)
+  if lens.shape != (batch,):
     raise ValueError(f"{name} must be an int32 array of shape [B]=({batch},), "
                      f"got {lens.dtype} array of shape {lens.shape}")
   return lens

@@ -298,8 +298,7 @@ def _bad_cases():
                                     kv_segment_ids=np.zeros((2, 0), np.int32)),
       "kv_heads": lambda: A(q, k, v[:, :, :1]),
       "heads_multiple": lambda: A(q[:, :, :3], k, v),
-      "qlens_dtype": lambda: A(q, k, v, query_seq_lengths=np.array([4, 4])
-                               .astype(np.int64)),
+      "qlens_bool": lambda: A(q, k, v, query_seq_lengths=np.array([1, 1], bool)),
       "qlens_float": lambda: A(q, k, v,
                                query_seq_lengths=np.array([4., 4.], np.float32)),
       "qlens_shape": lambda: A(q, k, v, query_seq_lengths=i32(4, 4, 4)),
@@ -340,6 +339,21 @@ BAD = _bad_cases()
 def test_bad_inputs_raise_value_error(case):
   with pytest.raises(ValueError):
     BAD[case]()
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint16, np.uint64])
+def test_seq_lengths_of_any_integer_type(dtype):
+  # NumPy's default int64 works as in jax.nn; lengths past int32's range
+  # clamp like lengths past the sequence instead of wrapping.
+  q, k, v, _ = _rand(14, B=2, T=5, S=7, H=8)
+  want = jax.nn.dot_product_attention(
+      q, k, v, query_seq_lengths=np.array([5, 2], np.int32),
+      key_value_seq_lengths=np.array([7, 3], np.int32))
+  big = np.iinfo(dtype).max
+  got = jax_fa3.dot_product_attention(
+      q, k, v, query_seq_lengths=np.array([big, 2], dtype),
+      key_value_seq_lengths=np.array([big, 3], dtype))
+  _close(got, want, 2e-5, 2e-5)
 
 
 def test_error_messages_name_the_problem(monkeypatch):
