@@ -104,20 +104,29 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
     # A bias constant along the keys shifts a row's scores alike: the
     # softmax drops it (its gradient is 0), only the log-sum-exp keeps it;
     # -inf hides the row's keys (a row that sees no key: 0 and lse +inf).
-    out, lse = _attention(q, k, v, q_lens, kv_lens, None, mask, pairs, sinks,
-                          cfg)
+    out, lse = _attention_jit(q, k, v, q_lens, kv_lens, None, mask, pairs,
+                              sinks, cfg)
     shift = jnp.broadcast_to(bias[..., 0], lse.shape).astype(lse.dtype)
     dead = jnp.isneginf(shift)
     out = jnp.where(jnp.swapaxes(dead, 1, 2)[..., None], 0, out).astype(out.dtype)
     return out, jnp.where(dead, jnp.inf, lse + shift)
-  return _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg)
+  return _attention_jit(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks,
+                        cfg)
+
+
+_NO_SECOND_ORDER = ("derivatives of second and higher order run on "
+                    "implementation='reference' (the backward kernels have "
+                    "no derivative)")
 
 
 def _local_fns(cfg):
   """The (fwd, bwd) each ring step calls."""
   if cfg.kernel:
-    return (primitives.fa3_fwd, partial(primitives.fa3_bwd,
-                                        deterministic=cfg.deterministic))
+    def bwd(*args, **attrs):
+      return no_derivative(partial(primitives.fa3_bwd, **attrs,
+                                   deterministic=cfg.deterministic),
+                           _NO_SECOND_ORDER)(*args)
+    return primitives.fa3_fwd, bwd
   return reference.attention_fwd, reference.attention_bwd
 
 
@@ -211,6 +220,11 @@ def _attention(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
   return _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg)
 
 
+# Called through a jit: shard_map run eagerly cannot differentiate a
+# custom_vjp with symbolic zeros, a jit inside it can.
+_attention_jit = jax.jit(_attention, static_argnums=(9,))
+
+
 def _vjp_fwd(*args):
   # Symbolic zeros: the last residual is None unless the bias is
   # differentiated (a static marker: the residuals' tree structure).
@@ -250,9 +264,7 @@ def _grads(cfg, q, k, v, out, lse, dout, q_lens, kv_lens, bias, mask, pairs,
                   dbias_dtype=_dbias_dtype(bias, q, k) if bias_grad else None,
                   **cfg.attrs)
     bwd = no_derivative(
-        lambda *a: kernels(*a[:8], pairs=a[8], bias=a[9]),
-        "derivatives of second and higher order run on implementation="
-        "'reference' (the backward kernels have no derivative)")
+        lambda *a: kernels(*a[:8], pairs=a[8], bias=a[9]), _NO_SECOND_ORDER)
     *grads, dbias = bwd(q, k, v, out, lse, dout.astype(out.dtype), q_lens,
                         kv_lens, pairs, _kernel_bias(bias, q, k))
     dq, dk, dv = (reference.varying_like(g, x)

@@ -618,12 +618,24 @@ def test_forward_alone_skips_the_masks_key_side(fake_kernels):
   f = lambda q, k, v: jax_fa3.dot_product_attention(q, k, v, mask=m)  # noqa: E731
   text = jax.jit(_grad(f)).trace(q, k, v).lower(
       lowering_platforms=("cuda",)).as_text()
-  defs = dict(re.findall(r"^\s+(%\w+)(?::\d+)? = (.*)$", text, re.M))
+  funcs = {m.group(1): m.group(2) for m in re.finditer(
+      r"func\.func (?:public |private )?@(\w+)\((.*?)^  }", text, re.M | re.S)}
+
+  def operands(body, callee):
+    call = re.search(rf"call @{callee}\(([^)]*)\)", body).group(1)
+    return [o.strip() for o in call.split(",")]
+
+  def defining(name, fn):  # the op defining SSA value `name` of func `fn`
+    arg = re.fullmatch(r"%arg(\d+)", name)
+    if arg:  # a parameter: follow it to the caller's operand
+      caller = next(c for c, b in funcs.items() if re.search(rf"call @{fn}\(", b))
+      return defining(operands(funcs[caller], fn)[int(arg.group(1))], caller)
+    return re.search(rf"^\s+{name}(?::\d+)? = (.*)$", funcs[fn], re.M).group(1)
 
   def key_side(target, first):  # defining ops of mask_t and kv_spans
-    call = re.search(rf"custom_call @{target}\(([^)]*)\)", text).group(1)
-    ops = [o.strip() for o in call.split(",")]
-    return [defs[ops[first + i]] for i in (1, 3)]
+    fn = next(n for n, b in funcs.items() if f"custom_call @{target}(" in b)
+    ops = operands(funcs[fn], f"{target}")
+    return [defining(ops[first + i], fn) for i in (1, 3)]
   assert all(d.startswith("stablehlo.broadcast_in_dim %c")
              for d in key_side("jax_fa3_fwd", 5))
   assert not any(d.startswith("stablehlo.broadcast_in_dim %c")

@@ -293,7 +293,7 @@ def test_kernels_get_ids_and_spans(monkeypatch, precision):
     seen.append((cfg, pairs))
     a = (q,)
     return jnp.zeros(a[0].shape, a[0].dtype), None
-  monkeypatch.setattr(core, "_attention", spy)
+  monkeypatch.setattr(core, "_attention_jit", spy)
   q, k, v, _ = rand(14, B=1, T=16, S=16, N=2, K=2, H=16, dtype=jnp.bfloat16)
   ids = jnp.zeros((1, 16), jnp.int32)
   jax_fa3.attention(q, k, v, q_segment_ids=ids, precision=precision,

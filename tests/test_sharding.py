@@ -233,6 +233,42 @@ def test_attention_per_shard_in_shard_map():
   np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), **TOL)
 
 
+@pytest.mark.parametrize("fn", ["attention", "ring"])
+def test_gradient_of_an_eager_shard_map(fn):
+  """jax.grad of a shard_map that is not jitted (JAX runs its body eagerly,
+  where a custom_vjp with symbolic zeros is not supported) equals the jitted
+  one."""
+  mesh = _mesh((2,), ("x",))
+  q, k, v, w, ql, kl = _inputs(6)
+  if fn == "ring":
+    spec = P(None, "x")
+    f = lambda q, k, v: jax_fa3.ring_attention(q, k, v, axis_name="x",
+                                               is_causal=True)
+  else:
+    spec = P("x")
+    f = lambda q, k, v: jax_fa3.attention(q, k, v, is_causal=True)
+  sm = jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+  grad = jax.grad(lambda q, k, v: jnp.sum(sm(q, k, v) * w), argnums=(0, 1, 2))
+  for a, b in zip(grad(q, k, v), jax.jit(grad)(q, k, v)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+
+
+def test_ring_second_order_on_the_kernels_is_a_value_error(monkeypatch):
+  from jax_fa3 import api
+  monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
+  mesh = _mesh((2,), ("sp",))
+  q = _inputs(8, dtype=jnp.bfloat16)[0]
+  sm = jax.shard_map(
+      lambda q: jax_fa3.ring_attention(q, q, q, axis_name="sp", is_causal=True,
+                                       implementation="fa3"),
+      mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+  f = lambda q: jnp.sum(sm(q).astype(jnp.float32))
+  assert jax.jit(jax.grad(f))(q).shape == q.shape  # first order: the kernels
+  with pytest.raises(ValueError, match="implementation='reference'"):
+    jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(f)(q).astype(jnp.float32)
+                                       ** 2)))(q)
+
+
 def test_gqa_heads_over_an_axis_wider_than_the_kv_heads():
   # q's 4 heads over one 4-device axis, 2 kv heads: k cannot take part of
   # that axis (the rule keeps q's heads apart from k's; the plan replicates).
