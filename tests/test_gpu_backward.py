@@ -209,3 +209,17 @@ def test_forward_only_head_dim_falls_back(cfg):
   hlo = f.lower(x, x, x).as_text()
   assert "jax_fa3_fwd" in hlo and "jax_fa3_bwd" not in hlo
   _check(cfg, 113, 203, b=2, n=3, k=3, causal=True)
+
+
+@pytest.mark.parametrize("cfg", BF16_PRIMARY, ids=cid)
+def test_batch_past_the_grid_limit_is_a_clean_error(cfg):
+  """A batch the backward's grid cannot hold (here folded in by vmap) fails
+  with the handler's error before anything runs; one row fewer works."""
+  dtype = jnp.dtype(np_dtype(cfg[0]))
+  grad = jax.grad(lambda q: jax_fa3.attention(q, q, q, implementation="fa3")
+                  .astype(jnp.float32).sum())
+  x = jnp.ones((65536, 1, 1, 1, cfg[1]), dtype) / 8
+  with pytest.raises(Exception, match="65535"):
+    jax.block_until_ready(jax.jit(jax.vmap(grad))(x))
+  g = jax.jit(jax.vmap(grad))(x[1:])
+  assert bool(jnp.isfinite(g.astype(jnp.float32)).all())

@@ -187,9 +187,15 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   auto layout = btnh_layout<HeadDim>;
   auto layout_v = btnh_layout<HeadDimV>;
   constexpr int kPreRows = PreprocessMap<Element, HeadDimV>::kRowsPerBlock;
+  // The pre- and postprocess grids put heads and batch on gridDim.y / z.
+  if (p.n > 65535 || p.b > 65535) { return cudaErrorInvalidConfiguration; }
   const dim3 rows_grid((p.t_pad + kPreRows - 1) / kPreRows, p.n, p.b);
   bwd_preprocess<Element, HeadDim, HeadDimV><<<rows_grid, kBwdPreWarps * 32, 0, stream>>>(p);
-  cudaError_t err = cudaMemsetAsync(p.semaphore, 0,
+  // The main kernel relies on what the preprocess writes (its tile counter,
+  // the zeroed dQ accumulator): never launch it after a failed preprocess.
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) { return err; }
+  err = cudaMemsetAsync(p.semaphore, 0,
                                     sizeof(int32_t) * size_t(p.b) * p.n * (p.t_pad / kBwdBlockM), stream);
   if (err != cudaSuccess) { return err; }
   if (p.bias.grad != nullptr) {  // the tiles no query block visits keep these zeros

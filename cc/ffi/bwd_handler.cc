@@ -72,6 +72,9 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     return invalid(kWho, "inconsistent q/k/v/out/lse/dout/gradient shapes");
   }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
+  if (p.b > 65535 || p.n > 65535) {  // a CUDA grid's y / z limit (a vmap folds its axis into B)
+    return invalid(kWho, "the backward kernels take at most 65535 batch rows and heads per call");
+  }
   if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
   if (!set_bias(p, bias, et, &*dbias)) {
     return invalid(kWho, "bias must be [1|B, 1|N, T, S rounded up to even] in q's dtype, dbias [B, N, T, that] in it or float32");

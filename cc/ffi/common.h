@@ -4,9 +4,11 @@
 // Host code only; it sees the plain-data params headers, never CuTe.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -130,6 +132,12 @@ void set_dims(Params& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k) {
   auto qd = q.dimensions(), kd = k.dimensions();
   p.b = int(qd[0]); p.t = int(qd[1]); p.n = int(qd[2]); p.d = int(qd[3]);
   p.s = int(kd[1]); p.kh = int(kd[2]);
+}
+
+// lse has exactly the dims `want` (the kernels write [.., N, T] rows of it).
+inline bool dims_are(const ffi::Buffer<ffi::F32>& x, std::initializer_list<int64_t> want) {
+  auto d = x.dimensions();
+  return d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
 }
 
 // k agrees with q on batch and head dim, and its K heads divide q's N (GQA).

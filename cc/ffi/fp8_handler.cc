@@ -111,6 +111,11 @@ ffi::Error Fp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
       ? vd[0] == p.b && vd[1] == p.kh && vd[2] == p.d && vd[3] == fp8_vt_seq(p.s)
       : vd[0] == p.b && vd[1] == p.s && vd[2] == p.kh && vd[3] == p.d;
   if (!k_matches_q(p, k) || !v_ok) { return invalid(kWho, "inconsistent q/k/v shapes"); }
+  auto od = o->dimensions();
+  if (od.size() != 4 || od[0] != p.b || od[1] != p.t || od[2] != p.n || od[3] != p.d ||
+      !dims_are(*lse, {p.b, p.n, p.t})) {
+    return invalid(kWho, "out must be [B, T, N, H] and lse [B, N, T]");
+  }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
   if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
   const int64_t block_n = kFp8BlockN;

@@ -69,6 +69,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
       od[1] != p.t || od[2] != p.n || od[3] != p.dv) {
     return invalid(kWho, "inconsistent q/k/v/out shapes");
   }
+  if (!dims_are(*lse, {p.b, p.n, p.t})) { return invalid(kWho, "lse must be [B, N, T]"); }
   if (!lens_match(q_lens, kv_lens, p.b)) { return invalid(kWho, "seq-length arrays must have shape [B]"); }
   if (!set_pair_rule(p, q_ids, kv_ids, q_spans, kv_spans)) { return invalid(kWho, "pair-rule operand shapes"); }
   if (!set_bias(p, bias, q.element_type())) { return invalid(kWho, "bias must be [1|B, 1|N, T, S rounded up to even] in q's dtype"); }
@@ -121,6 +122,7 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   }
   if (paged) {
     if (pd.size() != 2 || pd[0] != p.b || kd[0] < 1) { return invalid(who, "page_table must be [B, pages_per_row]"); }
+    if (pd[1] * kd[1] > INT32_MAX) { return invalid(who, "pages_per_row * page_size must fit int32"); }
     p.pages = {page_table.typed_data(), int(pd[1]), int(kd[1]), int(kd[0])};
     p.s = int(pd[1] * kd[1]);  // a row's capacity
   } else if (kd[0] != p.b) {
@@ -138,6 +140,7 @@ ffi::Error KvcacheFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       od[4] != p.d) {
     return invalid(who, "out must be [B, num_splits, T, N, H] ([B, num_splits, N, T, H] heads-major)");
   }
+  if (!dims_are(*lse, {p.b, num_splits, p.n, p.t})) { return invalid(who, "lse must be [B, num_splits, N, T]"); }
   if (p.b == 0 || p.t == 0 || p.n == 0) { return ffi::Error::Success(); }
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
   p.o = o->untyped_data(); p.lse = lse->typed_data();
@@ -184,6 +187,7 @@ ffi::Error KvcacheAppendImpl(cudaStream_t stream, ffi::AnyBuffer k_new, ffi::Any
   auto pd = page_table.dimensions();
   if (paged) {
     if (pd.size() != 2 || pd[0] != p.b) { return invalid(who, "page_table must be [B, pages_per_row]"); }
+    if (pd[1] * kd[1] > INT32_MAX) { return invalid(who, "pages_per_row * page_size must fit int32"); }
     p.pages = {page_table.typed_data(), int(pd[1]), int(kd[1]), int(kd[0])};
     p.capacity = int(pd[1] * kd[1]);
   } else {
