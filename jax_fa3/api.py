@@ -209,7 +209,11 @@ def attention_fp8(query, key, value, q_scale, k_scale, v_scale, *,
   q8, k8, v8, qs, ks, vs = fp8.check_fp8_operands(query, key, value, q_scale,
                                                   k_scale, v_scale)
   b, t, n, h = q8.shape
-  out_dtype = np.dtype(out_dtype)
+  try:
+    out_dtype = np.dtype(out_dtype)
+  except TypeError as e:
+    raise ValueError(f"out_dtype must be bfloat16 or float16, got "
+                     f"{out_dtype!r}") from e
   if out_dtype not in V.KERNEL_DTYPES:
     raise ValueError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
   q_lens, kv_lens, scale, wl, wr = _check_mask_args(

@@ -150,8 +150,7 @@ def quantize_fp8(x, *, block_rows: int = Q_BLOCK_ROWS, hadamard: bool = False,
   for name, flag in (("hadamard", hadamard), ("per_tensor", per_tensor),
                      ("pow2_scales", pow2_scales)):
     V.check_bool(flag, name)
-  if not V.is_int(seed):
-    raise ValueError(f"seed must be an int, got {seed!r}")
+  _check_seed(seed, "seed")
   if signs is not None and not hadamard:
     raise ValueError("signs are the Hadamard rotation's: pass hadamard=True "
                      "with them")
@@ -431,12 +430,18 @@ def attention_quantized(q8, k8, v8, qs, ks, vs, q_lens, kv_lens, scale, wl,
                                window_right=wr, out_dtype=out_dtype, mask=mask)
 
 
+def _check_seed(seed, name):
+  """An int that ``jax.random.PRNGKey`` takes (64 bits; a wider one is
+  its OverflowError)."""
+  if not V.is_int(seed) or not -2**63 <= seed < 2**63:
+    raise ValueError(f"{name} must be an int in [-2**63, 2**63), got {seed!r}")
+  return int(seed)
+
+
 def check_fp8_options(block_scales, hadamard, seed):
   block_scales = V.check_bool(block_scales, "fp8_block_scales")
   hadamard = V.check_bool(hadamard, "fp8_hadamard")
-  if not V.is_int(seed):
-    raise ValueError(f"fp8_seed must be an int, got {seed!r}")
-  return block_scales, hadamard, int(seed)
+  return block_scales, hadamard, _check_seed(seed, "fp8_seed")
 
 
 def check_head_dim(h, hadamard):

@@ -261,8 +261,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
 
   sl = sl.astype(jnp.int32)
   # A contiguous cache travels with an empty [B, 0] table, as the kernels take it.
-  table = (jnp.asarray(page_table, jnp.int32) if paged
-           else jnp.zeros((B, 0), jnp.int32))
+  # Wider page ids are clamped, not wrapped, so the pool clamp sees them.
+  table = (V.clamped_int32(page_table, "page_table").astype(jnp.int32)
+           if paged else jnp.zeros((B, 0), jnp.int32))
   k_cache, v_cache = kc, vc
   new_rows = 0
   # An empty query takes the reference (its empty output).

@@ -194,8 +194,9 @@ def test_validation_errors():
     jax_fa3.attention(q.astype(F32), k.astype(F32), v.astype(F32), precision="fp8")
   with pytest.raises(ValueError, match="fp8_block_scales"):
     jax_fa3.attention(q, k, v, precision="fp8", fp8_block_scales=1)
-  with pytest.raises(ValueError, match="fp8_seed"):
-    jax_fa3.attention(q, k, v, precision="fp8", fp8_seed=1.5)
+  for seed in (1.5, 2**64):  # 2**64: PRNGKey's OverflowError before
+    with pytest.raises(ValueError, match="fp8_seed"):
+      jax_fa3.attention(q, k, v, precision="fp8", fp8_seed=seed)
   with pytest.raises(ValueError, match="power-of-two"):
     q3 = jnp.zeros((1, 8, 2, 96), jnp.bfloat16)
     jax_fa3.attention(q3, q3, q3, precision="fp8")
@@ -210,13 +211,15 @@ def test_validation_errors():
     jax_fa3.attention_fp8(q8, k8, k8, qs[:, :, :0], ks, ks)
   with pytest.raises(ValueError, match="float8_e4m3fn"):
     jax_fa3.attention_fp8(q, k8, k8, qs, ks, ks)
-  with pytest.raises(ValueError, match="out_dtype"):
-    jax_fa3.attention_fp8(q8, k8, k8, qs, ks, ks, out_dtype=F32)
+  for dt in (F32, "not a dtype"):  # the second was numpy's TypeError
+    with pytest.raises(ValueError, match="out_dtype"):
+      jax_fa3.attention_fp8(q8, k8, k8, qs, ks, ks, out_dtype=dt)
   with pytest.raises(ValueError, match="block_rows"):
     jax_fa3.quantize_fp8(q, block_rows=0)
   for kw, match in ((dict(hadamard="no"), "hadamard must be a bool"),
                     (dict(per_tensor=1), "per_tensor must be a bool"),
                     (dict(hadamard=True, seed=1.5), "seed must be an int"),
+                    (dict(hadamard=True, seed=-2**63 - 1), "seed must be an int"),
                     (dict(signs=jnp.ones(q.shape[-1])), "pass hadamard=True"),
                     (dict(hadamard=True, signs=jnp.full(q.shape[-1], 0.5)),
                      "must be \\+1 or -1")):

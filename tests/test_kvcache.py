@@ -228,6 +228,22 @@ def test_wide_cache_seqlens_clamp_not_wrap():
       q, kc, vc, np.array([-2**40, -2**33], np.int64)), none)
 
 
+def test_wide_page_ids_clamp_not_wrap():
+  # Documented: page ids past the pool are clamped; a cast of a wider integer
+  # type to int32 would wrap them into the pool first (2**32 + 1 -> page 1).
+  rng = np.random.default_rng(9)
+  q = jnp.asarray(rng.standard_normal((1, 1, 2, 8)), jnp.float32)
+  pool = jnp.asarray(rng.standard_normal((4, 4, 1, 8)), jnp.float32)
+  page = lambda t: jax_fa3.attention_with_kvcache(  # noqa: E731
+      q, pool, pool, np.array([4], np.int32), page_table=t)
+  last, first = page(np.array([[3]], np.int32)), page(np.array([[0]], np.int32))
+  for ids in (np.array([[2**32 + 1]], np.int64),
+              np.array([[2**32 - 3]], np.uint32)):
+    close(page(ids), last)
+  close(page(np.array([[-2**32 + 2]], np.int64)), first)
+
+
+
 @pytest.mark.parametrize("B,Tq", [(2, 0), (0, 1)])
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_empty_query(B, Tq, page_size):
