@@ -57,7 +57,11 @@ __all__ = ["Plan", "fa3_fwd", "fa3_bwd", "fp8_quantize", "fp8_fwd",
 # follow the query heads, or their own factor o when absent ([0]); BIAS /
 # DBIAS: the bias [B|1, N|1, T, S] (r, q where it broadcasts) and its
 # gradient [B, N, T, S], or [B, 0] (factor o) when absent; v: the value head
-# dim (V, O, dO), which may differ from Q/K's h.
+# dim (V, O, dO), which may differ from Q/K's h.  The bias's sequences are
+# their own factors x, y (replicated): a call with a bias never keeps a
+# sequence sharded, and Shardy propagates through replicated factors too, so
+# sharing q's t would carry a bias's sequence sharding onto q, out and lse
+# (gathered back in the partition: out, dout and lse in the backward).
 _FWD_RULE = "b t Q h, b s k h, b s k v, b, b, SEG, BIAS, SNK -> b t Q v, b Q t"
 _BWD_RULE = ("b t Q h, b s k h, b s k v, b t Q v, b Q t, b t Q v, b, b, SEG, "
              "BIAS -> b t Q h, b s k h, b s k v, DBIAS")
@@ -70,8 +74,9 @@ _V_LAYOUT = {False: "b s k h", True: "b k h z"}
 # every batch shard; z: split parts.
 _KVCACHE_RULE = "b t Q h, C s k h, C s k h, b, b p -> b z t Q h, b z Q t"
 _APPEND_RULE = "b t k h, b t k h, C s k h, C s k h, b, b p -> C s k h, C s k h"
-_SEQ_FREE = ("h", "v", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l", "o")
-_SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "x", "y", "z", "f")
+_SEQ_FREE = ("h", "v", "i", "j", "u", "w", "c", "a", "m", "p", "d", "e", "l", "o",
+             "x", "y")
+_SEQ_REPLICATED = _SEQ_FREE + ("t", "s", "z", "f")
 
 
 def _pair_rule_factors(ops, first):
@@ -98,7 +103,7 @@ def _bias_factors(ops, i):
     return "b o"
   B, N = ops[0].shape[0], ops[0].shape[2]
   return ("b" if a.shape[0] == B else "r") + " " + (
-      "Q" if a.shape[1] == N else "q") + " t s"
+      "Q" if a.shape[1] == N else "q") + " x y"
 
 
 def _rule(template, operand_types, replicated, v_transposed=False,
@@ -114,7 +119,7 @@ def _rule(template, operand_types, replicated, v_transposed=False,
     template = template.replace("SEG", _pair_rule_factors(operand_types, first))
   if "BIAS" in template:
     first = template.split("BIAS")[0].count(",")
-    template = template.replace("DBIAS", "b Q t s" if bias_grad else "b o")
+    template = template.replace("DBIAS", "b Q x y" if bias_grad else "b o")
     template = template.replace("BIAS", _bias_factors(operand_types, first))
   if "SNK" in template:
     template = template.replace(

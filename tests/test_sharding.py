@@ -151,6 +151,36 @@ def test_partitioned_bias_equals_unsharded(case, bias):
   _run_layout(*case[1:], bias=bias)
 
 
+@pytest.mark.parametrize("bias_spec", [P("d", "t", "s"), P("d", "t", None, "s")],
+                         ids=["bias_t", "bias_s"])
+def test_sequence_sharded_bias_leaves_q_out_and_grads_alone(bias_spec):
+  # A bias sharded along a sequence while q, k, v are not: the partition
+  # gathers the bias alone (its sequence is replicated there); Shardy must
+  # not carry that sharding onto out, lse and the gradients (the backward
+  # then gathered out, dout and lse).
+  import re
+  mesh = _mesh((2, 2, 2), M3)
+  q, k, v, w, ql, kl = _inputs(9, K=N)
+  bias = jax.random.normal(jax.random.key(10), (B, N, T, T))
+  f = lambda q, k, v, b: _kernel_attention(q, k, v, ql, kl, 0.35, 0.0, -1, 0,
+                                           bias=b)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a)[0] * w), argnums=(0, 1, 2, 3))
+  with jax.default_device(CPUS[0]):
+    want = jax.jit(grad)(q, k, v, bias)
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  qs = P("d", None, "t")
+  args = (put(q, qs), put(k, qs), put(v, qs), put(bias, bias_spec))
+  compiled = jax.jit(grad).lower(*args).compile()
+  got = compiled(*args)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+  for g in got[:3]:
+    assert g.sharding.spec == NamedSharding(mesh, qs).spec, g.sharding
+  gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(",
+                        compiled.as_text())
+  assert gathered == ["1,2,32,32"], gathered  # the bias's shard, no more
+
+
 _VALUE_LAYOUTS = [c for c in LAYOUTS if c[0] in (
     "batch", "heads_gqa", "heads_mqa", "seq_ring_causal", "seq_ring_t_ne_s")]
 
