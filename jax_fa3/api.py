@@ -4,7 +4,7 @@
 Semantics (all entry points): query row ``i`` of batch ``b`` attends key ``j``
 iff ``i < q_len[b]``, ``j < kv_len[b]``, the (top-left aligned) causal / local
 window constraints hold, the segment ids are equal (``q_segment_ids[b, i] ==
-kv_segment_ids[b, j]``) and (reference path only) ``mask`` is True.  Scores
+kv_segment_ids[b, j]``) and ``mask`` (where given) is True.  Scores
 are ``scale * q.k``, soft-capped as ``c * tanh(s / c)`` when ``softcap=c``.
 
 Difference from ``jax.nn.dot_product_attention``: a query row that is *not*
@@ -13,7 +13,8 @@ every key) outputs 0 here (its log-sum-exp residual is ``+inf``), whereas
 jax.nn outputs the mean of V.  Padded query rows (``i >= q_len[b]``) output 0 in both.
 
 Every entry point validates its arguments here, then runs
-:func:`jax_fa3.core.attention` (kernels or reference, one ``custom_vjp``).
+:func:`jax_fa3.core.attention` (kernels or reference, one ``custom_vjp``);
+:func:`attention_fp8` runs :func:`jax_fa3.fp8.attention_quantized` (no VJP).
 """
 from __future__ import annotations
 
@@ -411,10 +412,14 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
   if layout not in ring.LAYOUTS:
     raise ValueError(f"layout must be one of {ring.LAYOUTS}, got {layout!r}")
   if not (isinstance(axis_name, str) or (isinstance(axis_name, tuple) and
+                                         axis_name and
                                          all(isinstance(a, str) for a in axis_name))):
-    raise ValueError(f"axis_name must be a mesh axis name or a tuple of them, "
-                     f"got {axis_name!r}")
+    # An empty tuple would be a ring of one device: each shard attending
+    # only to its own keys, silently.
+    raise ValueError(f"axis_name must be a mesh axis name or a non-empty "
+                     f"tuple of them, got {axis_name!r}")
   is_causal = V.check_is_causal(is_causal)
+  return_lse = V.check_bool(return_lse, "return_lse")
   if is_causal and T != S:
     raise ValueError("causal ring attention needs equal query and key/value "
                      f"shard lengths, got {T} and {S}")

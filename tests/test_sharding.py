@@ -434,6 +434,11 @@ def test_ring_attention_errors():
   with pytest.raises(ValueError, match="axis_name must be"):
     sm(lambda q, k, v: jax_fa3.ring_attention(q, k, v, axis_name=["sp"]))(
         q, q, q)
+  with pytest.raises(ValueError, match="axis_name must be"):  # not a 1-ring
+    sm(lambda q, k, v: jax_fa3.ring_attention(q, k, v, axis_name=()))(q, q, q)
+  with pytest.raises(ValueError, match="return_lse must be a bool"):
+    sm(lambda q, k, v: jax_fa3.ring_attention(q, k, v, axis_name="sp",
+                                              return_lse="no"))(q, q, q)
 
 
 # --------------------------------------------------------------------- FP8
