@@ -359,7 +359,9 @@ def parse_args(argv=None):
   p.add_argument("--procs", type=bench._int_list, default=[2, 4, 8],
                  help="ring sizes, those <= the local device count are run")
   p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                 help="skip the one-step kernel timing (overlap check)")
+                 default=True,
+                 help="skip the one-step kernel timing (overlap check; run "
+                      "unless given)")
   p.add_argument("--rotate", type=int, default=3,
                  help="input sets the calls rotate over")
   p.add_argument("--warmup", type=int, default=3)
