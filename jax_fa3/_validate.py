@@ -71,12 +71,12 @@ def check_seq_lengths(lens, name, batch):
   orig_dtype = np.dtype(lens.dtype if hasattr(lens, "dtype")
                         else np.asarray(lens).dtype)
   if orig_dtype.kind not in "iu":
-    raise ValueError(f"{name} must be an int32 array of shape [B]=({batch},), "
-                     f"got dtype {orig_dtype}")
+    raise ValueError(f"{name} must be an integer (int32) array of shape "
+                     f"[B]=({batch},), got dtype {orig_dtype}")
   lens = clamped_int32(lens, name).astype(jnp.int32)
   if lens.shape != (batch,):
-    raise ValueError(f"{name} must be an int32 array of shape [B]=({batch},), "
-                     f"got {lens.dtype} array of shape {lens.shape}")
+    raise ValueError(f"{name} must have shape [B]=({batch},), got "
+                     f"{lens.shape}")
   return lens
 
 
