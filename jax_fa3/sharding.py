@@ -31,7 +31,8 @@ What is served locally:
   gradient is per batch row and head, sharded like q;
 * head_dim: always replicated;
 * the pair-rule pre-pass (:func:`pairs_from_segment_ids`,
-  :func:`pairs_from_mask`): per batch shard, the sequence whole.
+  :func:`pairs_from_mask`): per batch shard (and a mask's head shard, whole
+  GQA groups), the sequence whole.
 """
 from __future__ import annotations
 
@@ -479,37 +480,46 @@ def _kvcache_rule(mesh, ops, *static):
 
 
 # ------------------------------------------------------------ pair-rule pre-pass
-def _batch_only(mesh, arg_shapes):
+def _batch_and_heads(mesh, arg_shapes, group=None):
   """-> (mesh, x -> sharding): the batch axes of the first operand where
-  they divide its batch, every other axis whole."""
+  they divide its batch; with ``group`` (a mask's query heads per kv head)
+  also its head axes where they divide the kv heads (a shard holds whole
+  groups); every other axis whole."""
   a = arg_shapes[0]
   mesh, spec = _mesh_and_spec(mesh, a.sharding)
   b = _axes(spec[0]) if len(spec) else ()
   b = _entry(b) if b and a.shape[0] % _size(mesh, b) == 0 else None
+  h = _axes(spec[1]) if group and len(spec) > 1 and a.shape[1] > 1 else ()
+  h = _entry(h) if h and (a.shape[1] // group) % _size(mesh, h) == 0 else None
   return mesh, lambda x: NamedSharding(
-      mesh, PartitionSpec(b, *(None,) * (len(x.shape) - 1)))
+      mesh, PartitionSpec(*((b, h) + (None,) * len(x.shape))[:len(x.shape)]))
 
 
-def _prepass(fn, rule):
+def _prepass(fn, rule, group=None):
   """``fn`` (a pair-rule pre-pass of operands that lead with the batch, four
-  results) partitioned over the batch only.  Its bits and spans reshape the
-  sequence axes: left to Shardy, a sequence-sharded mask or ids would reach
-  the kernels' boundary sharded in pieces custom_partitioning cannot take."""
+  results) partitioned over the batch (and a mask's heads, see
+  :func:`_batch_and_heads`).  Its bits and spans reshape the sequence axes:
+  left to Shardy, a sequence-sharded mask or ids would reach the kernels'
+  boundary sharded in pieces custom_partitioning cannot take."""
   cp = custom_partitioning(fn)
 
   def partition(mesh, arg_shapes, result_shape):
-    mesh, ns = _batch_only(mesh, arg_shapes)
+    mesh, ns = _batch_and_heads(mesh, arg_shapes, group)
     return (mesh, fn, tuple(ns(r) for r in result_shape),
             tuple(ns(a) for a in arg_shapes))
 
   def infer(mesh, arg_shapes, result_shape):
-    ns = _batch_only(mesh, arg_shapes)[1]
+    ns = _batch_and_heads(mesh, arg_shapes, group)[1]
     return tuple(ns(r) for r in result_shape)
 
-  cp.def_partition(
-      partition=partition, infer_sharding_from_operands=infer,
-      sharding_rule=rule, need_replication_factors=tuple(
-          f for f in dict.fromkeys(re.findall(r"[a-z]", rule)) if f != "b"))
+  def sharding_rule(mesh, operand_types, result_types):
+    r, sizes = rule(mesh, operand_types) if callable(rule) else (rule, {})
+    return r, dict(sizes, need_replication_factors=tuple(
+        f for f in dict.fromkeys(re.findall(r"[a-z]", r))
+        if f not in ("b", "n", "k", "g")))
+
+  cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=sharding_rule)
 
   @custom_vmap
   def call(*args):
@@ -529,9 +539,23 @@ _self_ids_prepass = _prepass(lambda ids: pair_rule.from_segment_ids(ids, ids),
 
 
 @functools.lru_cache(maxsize=None)
-def _mask_prepass(kv_heads):
-  return _prepass(lambda m: pair_rule.from_mask(m, kv_heads, *m.shape[2:]),
-                  "b n t s -> b n t p a, b n s p m, b n u c, b k w c")
+def _mask_prepass(group):
+  """The mask pre-pass for ``group`` query heads per kv head.  A mask with
+  heads keeps their sharding (the kv spans of a shard's whole groups are
+  local); the heads are Q = (k g) as in :func:`_rule`."""
+  def rule(mesh, ops):
+    mn = ops[0].shape[1]
+    if mn == 1 or group == 1:
+      return "b n t s -> b n t p a, b n s p m, b n u c, b n w c", {}
+    # Shardy rejects a part of (k g) that a mesh axis cannot shard whole:
+    # there q and kv heads are factors of their own, and the partition decides.
+    sizes = () if mesh is None else tuple(mesh.shape.values())
+    if any(z > 1 and mn % z == 0 and (mn // group) % z for z in sizes):
+      return "b n t s -> b n t p a, b n s p m, b n u c, b k w c", {}
+    return ("b (k g) t s -> b (k g) t p a, b (k g) s p m, b (k g) u c, "
+            "b k w c"), dict(g=group)
+  return _prepass(lambda m: pair_rule.from_mask(
+      m, max(1, m.shape[1] // group), *m.shape[2:]), rule, group)
 
 
 def pairs_from_segment_ids(q_ids, kv_ids):
@@ -545,7 +569,7 @@ def pairs_from_mask(mask, kv_heads, T, S):
   """:func:`pair_rule.from_mask`, partitioned over the mask's batch."""
   mask = jnp.asarray(mask, bool)
   mask = jnp.broadcast_to(mask, mask.shape[:2] + (T, S))
-  return _mask_prepass(int(kv_heads))(mask)
+  return _mask_prepass(max(1, mask.shape[1] // int(kv_heads)))(mask)
 
 
 # ------------------------------------------------------------ registration

@@ -6,7 +6,10 @@ The NumPy references the GPU tests judge kernels against are in
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
+import pytest
 import jax
 import jax.numpy as jnp
 
@@ -15,6 +18,22 @@ from jax_fa3.pair_rule import GRANULE as _GRANULE
 
 # float32 tolerance of the CPU tests (reference path vs jax.nn on XLA:CPU).
 RTOL = ATOL = 1e-5
+
+
+# ------------------------------------------------------------ partitioner
+@contextlib.contextmanager
+def partitioner(name):
+  """Runs the block under the "shardy" or "gspmd" partitioner (skips the
+  test where this jax lacks it), then restores the previous one."""
+  old = getattr(jax.config, "jax_use_shardy_partitioner", None)
+  try:
+    jax.config.update("jax_use_shardy_partitioner", name == "shardy")
+  except Exception:
+    pytest.skip(f"this jax has no {name} partitioner")
+  try:
+    yield
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", old)
 
 
 # ------------------------------------------------------------------ inputs

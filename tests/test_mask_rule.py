@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import jax_fa3
 from jax_fa3 import pair_rule
 
-from fa3_testing import (close, close_trees, out_and_grads, rand,
-                          row_spans_bruteforce)
+from fa3_testing import (close, close_trees, out_and_grads, partitioner,
+                          rand, row_spans_bruteforce)
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
@@ -187,6 +187,43 @@ def test_sharded_batch_and_heads(monkeypatch, spec):
     qs = P(spec[0], None, spec[1], None)
     ms = P(spec[0] if m.shape[0] > 1 else None, spec[1] if m.shape[1] > 1 else None)
     got, got_g = f(*(put(x, qs) for x in (q, k, v)), put(m, ms))
+    close(np.asarray(got, np.float32), np.asarray(want, np.float32),
+          rtol=1e-2, atol=1e-2)
+    close_trees(got_g, want_g, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("part", ["shardy", "gspmd"])
+@pytest.mark.parametrize("N,K,mesh_shape", [(4, 2, (2, 2)), (8, 4, (1, 4)),
+                                            (8, 8, (2, 4))])
+def test_head_sharded_mask_is_not_gathered(monkeypatch, part, N, K,
+                                           mesh_shape):
+  # A per-head mask sharded like q's heads (tensor parallelism): its bits and
+  # spans are computed per head shard (whole GQA groups), so the compiled call
+  # moves nothing between devices; results and gradients equal the unsharded
+  # call.
+  import re
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax_fa3 import api
+  cpus = jax.devices("cpu")
+  if len(cpus) < int(np.prod(mesh_shape)):
+    pytest.skip(f"needs {int(np.prod(mesh_shape))} CPU devices")
+  with partitioner(part):
+    monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
+    mesh = Mesh(np.array(cpus[:int(np.prod(mesh_shape))]).reshape(mesh_shape),
+                ("d", "m"))
+    B, T, S = 2, 32, 48
+    m = jnp.asarray(_masks(np.random.default_rng(12), B, N, T, S)["random_per_head"])
+    q, k, v, w = rand(12, B=B, T=T, S=S, N=N, K=K, H=8, dtype=jnp.bfloat16)
+    f = out_and_grads(lambda q, k, v, m: jax_fa3.dot_product_attention(
+        q, k, v, mask=m, implementation="fa3"), w)
+    want, want_g = f(q, k, v, m)
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    args = [put(x, P("d", None, "m")) for x in (q, k, v)] + [put(m, P("d", "m"))]
+    hlo = f.lower(*args).compile().as_text()
+    moved = [line for line in hlo.splitlines() if re.search(
+        r"(all-gather|all-reduce|all-to-all|collective-permute)\(", line)]
+    assert not moved, moved[:3]
+    got, got_g = f(*args)
     close(np.asarray(got, np.float32), np.asarray(want, np.float32),
           rtol=1e-2, atol=1e-2)
     close_trees(got_g, want_g, rtol=2e-2, atol=2e-2)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import jax_fa3
 from jax_fa3 import _validate as V, fp8, reference as R, pair_rule
 
-from fa3_testing import (close, close_trees, out_and_grads, rand,
-                          row_spans_bruteforce)
+from fa3_testing import (close, close_trees, out_and_grads, partitioner,
+                          rand, row_spans_bruteforce)
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
@@ -381,8 +381,8 @@ def test_primitive_path_on_cpu(monkeypatch, causal):
   close_trees((got, got_v), (want, want_v), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
-def test_ids_sharded_in_small_sequence_shards(monkeypatch, partitioner):
+@pytest.mark.parametrize("part", ["shardy", "gspmd"])
+def test_ids_sharded_in_small_sequence_shards(monkeypatch, part):
   # Ids sharded along the sequence in shards shorter than a span granule
   # (8 of 32 positions per device): spans are computed whole per batch shard
   # (Shardy would otherwise hand the kernels granules split in pieces).
@@ -391,12 +391,7 @@ def test_ids_sharded_in_small_sequence_shards(monkeypatch, partitioner):
   cpus = jax.devices("cpu")
   if len(cpus) < 4:
     pytest.skip("needs 4 CPU devices")
-  old = getattr(jax.config, "jax_use_shardy_partitioner", None)
-  try:
-    jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
-  except Exception:
-    pytest.skip("this jax has no GSPMD partitioner")
-  try:
+  with partitioner(part):
     monkeypatch.setattr(api.V, "kernel_blocker", lambda *a: None)
     mesh = Mesh(np.array(cpus[:4]), ("x",))
     q, k, v, w = rand(17, B=2, T=32, S=32, N=4, K=2, H=8, dtype=jnp.bfloat16)
@@ -410,8 +405,6 @@ def test_ids_sharded_in_small_sequence_shards(monkeypatch, partitioner):
       close(np.asarray(got, np.float32), np.asarray(want, np.float32),
             rtol=1e-2, atol=1e-2)
       close_trees(got_g, want_g, rtol=2e-2, atol=2e-2)
-  finally:
-    jax.config.update("jax_use_shardy_partitioner", old)
 
 
 @pytest.mark.parametrize("layout", ["batch_gqa_heads", "batch_sequence"])

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fa3_testing import close  # noqa: F401
+from fa3_testing import close, partitioner  # noqa: F401
 from host_reference import assert_fa3_tolerance
 import jax_fa3
 from jax_fa3 import _native, core, primitives, ring, sharding
@@ -194,15 +194,8 @@ def test_partitioned_value_head_dim_equals_unsharded(case):
 @pytest.mark.parametrize("case", [LAYOUTS[0], LAYOUTS[4], LAYOUTS[7]],
                          ids=["batch", "seq_ring_causal", "batch_seq_heads"])
 def test_partitioned_equals_unsharded_gspmd(case):
-  old = getattr(jax.config, "jax_use_shardy_partitioner", None)
-  try:
-    jax.config.update("jax_use_shardy_partitioner", False)
-  except Exception:  # a jax without GSPMD
-    pytest.skip("this jax has no GSPMD partitioner")
-  try:
+  with partitioner("gspmd"):
     _run_layout(*case[1:], seed=1)
-  finally:
-    jax.config.update("jax_use_shardy_partitioner", old)
 
 
 def test_plan_serves_batch_heads_and_ring_locally():
