@@ -1,6 +1,8 @@
 """Host-only checks of kernel index arithmetic, built with nvcc (no GPU needed;
 skipped without nvcc or the CUTLASS headers: $CUTLASS_INCLUDE_DIR, else those of
 the nvidia-cutlass package):
+- the forward's tile order (cc/fwd/tile_scheduler.h) covers every tile once
+  and spreads a banded window's short and long tiles over the CTAs;
 - the backward's key-block dispatch order (cc/bwd/tile_scheduler.h) covers
   every (key block, KV head, batch) exactly once and keeps its order's promise
   (longest first: chunks of key blocks never go back; deterministic causal:
@@ -79,6 +81,12 @@ def test_tile_orders_are_permutations(tmp_path):
   assert fwd and all("ok=1 monotone=1" in l for l in fwd), [
       l for l in fwd if "ok=1 monotone=1" not in l]
   assert {l.split("ids=")[1].split()[0] for l in fwd} == {"0", "1"}
+  assert {l.split("window=")[1].split()[0] for l in fwd} == {
+      "(-1,-1)", "(-1,0)", "(300,0)", "(100,50)"}
+  # Banded windows: no CTA of the persistent grid visits more than 1.08x the
+  # mean number of key blocks.
+  bal = [l for l in lines if l.startswith("fwdbal ")]
+  assert len(bal) == 9 and all(l.endswith(" ok=1") for l in bal), bal
 
 
 def test_fp8_v_transpose_places_every_byte(tmp_path):

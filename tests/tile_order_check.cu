@@ -31,21 +31,23 @@ int max_tiles(PersistentTileScheduler sched, int grid) {
 // Every CTA of the forward grid walks its tiles; each (m block, head, batch)
 // must come exactly once. With segment ids (one tile per CTA) the grid is the
 // tile list and m descends within each group of kHeadGroup (head, batch) rows.
+// Modes 4 and 5 are windows: banded (300, 0) and (100, 50).
 int check_fwd() {
   int failures = 0;
   const int32_t dummy_ids = 0;
   for (int t : {1, 127, 128, 1000, 4096}) for (int n : {1, 3, 8, 20}) for (int b : {1, 2}) {
-    for (int mode = 0; mode < 4; ++mode) {
+    for (int mode = 0; mode < 6; ++mode) {
       FwdParams p;
       p.t = p.s = t; p.n = p.kh = n; p.b = b; p.num_sms = 132;
-      p.window_left = -1;
-      p.window_right = mode % 2 ? 0 : -1;  // non-causal / causal
-      if (mode >= 2) { p.pair.q_ids = &dummy_ids; }  // segment ids
+      p.window_left = mode == 4 ? 300 : mode == 5 ? 100 : -1;
+      p.window_right = mode == 4 ? 0 : mode == 5 ? 50 : mode % 2 ? 0 : -1;  // modes 0-3: non-causal / causal
+      if (mode == 2 || mode == 3) { p.pair.q_ids = &dummy_ids; }  // segment ids
       const int grid = int(PersistentTileScheduler::grid(p, 128).x);
       PersistentTileScheduler sched(p, 128);
       const int num_m = (t + 127) / 128;
       std::vector<int> seen(size_t(num_m) * n * b, 0);
-      bool ok = grid > 0 && (mode < 2 || grid == int(seen.size()));
+      const bool ids = mode == 2 || mode == 3;
+      bool ok = grid > 0 && (!ids || grid == int(seen.size()));
       bool monotone = true;
       std::vector<int> prev_m(size_t(n) * b, num_m);
       int prev_group = 0;
@@ -57,7 +59,7 @@ int check_fwd() {
           }
           const int hb = w.batch * n + w.head;
           seen[size_t(hb) * num_m + w.m_block] += 1;
-          if (mode >= 2) {  // groups in order; m high to low within each row
+          if (ids) {  // groups in order; m high to low within each row
             const int group = hb / PersistentTileScheduler::kHeadGroup;
             monotone &= w.m_block < prev_m[hb] && group >= prev_group;
             prev_m[hb] = w.m_block;
@@ -68,20 +70,55 @@ int check_fwd() {
       for (int c : seen) { ok &= c == 1; }
       // A persistent grid no larger than the SMs, whose busiest CTA takes no
       // more tiles than under one CTA per SM (the grid only drops idle tails).
-      if (mode < 2) {
+      if (!ids) {
         const int one_per_sm = std::min(PersistentTileScheduler::num_units_of(p, 128), p.num_sms);
         ok &= grid <= p.num_sms && max_tiles(sched, grid) <= max_tiles(sched, one_per_sm);
       }
-      std::printf("fwd t=%d n=%d b=%d causal=%d ids=%d grid=%d ok=%d monotone=%d\n", t, n, b, mode % 2,
-                  int(mode >= 2), grid, int(ok), int(monotone));
+      std::printf("fwd t=%d n=%d b=%d window=(%d,%d) ids=%d grid=%d ok=%d monotone=%d\n", t, n, b, p.window_left,
+                  p.window_right, int(ids), grid, int(ok), int(monotone));
       failures += !(ok && monotone);
     }
   }
   return failures;
 }
 
+// Banded windows on long rows: the key blocks each CTA of the forward grid
+// visits (128-row tiles, 128-key blocks). A fixed stride that is a multiple of
+// the row's tile count once gave a CTA the same m in every row (all short or
+// all long tiles: up to 1.9x the mean). "fwdbal <shape> ratio=<max/mean>".
+int check_fwd_balance() {
+  struct Shape { int b, t, n, left, right; };
+  const Shape shapes[] = {{1, 16384, 16, 4096, 0}, {2, 8192, 16, 4096, 0}, {8, 2048, 16, 1024, 0},
+                          {1, 16384, 16, 1024, 1024}, {2, 8192, 32, 2048, 0}, {1, 32768, 8, 4096, 0},
+                          {1, 16384, 16, 4096, -1}, {16, 1024, 16, 256, 0}, {3, 5000, 12, 1000, 0}};
+  int failures = 0;
+  for (const Shape& sh : shapes) {
+    FwdParams p;
+    p.t = p.s = sh.t; p.n = p.kh = sh.n; p.b = sh.b; p.num_sms = 132;
+    p.window_left = sh.left; p.window_right = sh.right;
+    const int grid = int(PersistentTileScheduler::grid(p, 128).x);
+    PersistentTileScheduler sched(p, 128);
+    std::vector<long> work(grid, 0);
+    long total = 0;
+    for (int cta = 0; cta < grid; ++cta) {
+      for (WorkTile w = sched.start(cta); w.valid; w = sched.step(w, grid)) {
+        const int r0 = w.m_block * 128, r1 = std::min(sh.t, r0 + 128);
+        const int lo = sh.left >= 0 ? std::max(0, r0 - sh.left) : 0;
+        const int hi = sh.right >= 0 ? std::min(sh.t, r1 + sh.right) : sh.t;
+        work[cta] += (hi + 127) / 128 - lo / 128;
+      }
+      total += work[cta];
+    }
+    const double ratio = double(*std::max_element(work.begin(), work.end())) * grid / double(total);
+    const bool ok = ratio <= 1.08;
+    std::printf("fwdbal b%d_t%d_n%d_w%d_%d ratio=%.3f ok=%d\n", sh.b, sh.t, sh.n, sh.left, sh.right, ratio, int(ok));
+    failures += !ok;
+  }
+  return failures;
+}
+
 int main() {
-  int failures = check_fwd();
+  int failures = check_fwd() + check_fwd_balance();
   const int seqs[] = {1, 127, 128, 1000, 4096, 8192, 16384, 40000};
   const int heads[][2] = {{1, 1}, {4, 1}, {4, 4}, {2, 3}};
   for (int s : seqs) {

@@ -2,11 +2,15 @@
 // "for tile = first(); tile.valid; tile = next(tile)" over a persistent grid:
 // at most one CTA per SM walking a strided list of work units (CTA c takes units c,
 // c + grid, c + 2 grid, ...).
-//  - Without a causal-like window every tile costs the same, and the m-blocks
-//    of one (head, batch) are adjacent, so concurrently running CTAs share K/V
-//    in L2.
 //  - With a causal-like window (work grows with m) a unit is a pair of tiles of
 //    equal total cost (decode()).
+//  - Otherwise a unit is one tile. The m-blocks of one (head, batch) are
+//    adjacent, so concurrently running CTAs share K/V in L2, and row r of the
+//    num_hb (head, batch) rows starts at m = r * num_m / num_hb: the stride is
+//    often a multiple of num_m, and unrotated a CTA met the same m in every
+//    row, which left it all the short (or all the long) tiles of a banded
+//    window, whose first blocks see fewer keys; rotated, its m are spread
+//    evenly over the row.
 //  - With segment ids a tile's cost depends on the data (packed documents: a
 //    sawtooth over m), which no fixed stride balances: one CTA per tile, so
 //    the hardware hands the next tile to whichever SM frees first, in a
@@ -42,8 +46,8 @@ struct PersistentTileScheduler {
   int num_pairs, num_units;
   int idx, half;  // current work unit; which tile of a pair
 
-  CUTE_HOST_DEVICE static bool causal_like(const FwdParams& p) {
-    return p.window_right >= 0 && p.window_left < 0;  // work grows with m
+  CUTE_HOST_DEVICE static bool causal_like(const FwdParams& p) {  // work grows with m
+    return p.window_right >= 0 && (p.window_left < 0 || p.window_left >= p.t - 1);  // no row meets the left bound
   }
   CUTE_HOST_DEVICE static bool one_tile_per_cta(const FwdParams& p) { return p.pair.q_ids != nullptr; }
   CUTE_HOST_DEVICE static int num_units_of(const FwdParams& p, int block_m) {
@@ -90,7 +94,8 @@ struct PersistentTileScheduler {
       const int pair = idx % num_pairs;
       m = half == 0 ? num_m - 1 - pair : pair;
     } else {
-      m = idx % num_m; hb = idx / num_m;
+      hb = idx / num_m;
+      m = (idx % num_m + hb * num_m / num_hb) % num_m;  // hb * num_m <= idx
     }
     return {m, hb % num_heads, hb / num_heads, true};
   }

@@ -8,7 +8,7 @@
 // KV-cache cases alone, for the sanitizers; --dv: V's head dim, e.g. 128 with
 // --hdims 192 for the latent-attention tiles).
 // Exit status 0 iff every case matches, is NaN-free and bit-reproducible.
-//   jax_fa3_fwd_check --time B,T,N,D,CAUSAL [--iters 20]
+//   jax_fa3_fwd_check --time B,T,N,D,CAUSAL [--window-left L] [--iters 20]
 // times one shape with CUDA events (no check): a target for `ncu`.
 //   jax_fa3_fwd_check --time-decode B,L,K,D,G [--splits S] [--variant V]
 // times one decode step (a group of G query heads packed as rows of each of K
@@ -345,7 +345,7 @@ float time_launches(jax_fa3::FwdParams p, bool bf16, const char* variant, int it
 }
 
 // Times the kernel alone on one shape (inputs: a fixed bit pattern, never zeros).
-int time_shape(const std::string& spec, bool bf16, const char* variant, int iters, int dv_arg) {
+int time_shape(const std::string& spec, bool bf16, const char* variant, int iters, int dv_arg, int window_left) {
   check_util::TimeSpec ts;
   if (!check_util::parse_time_spec(spec.c_str(), ts)) {
     std::fprintf(stderr, "--time wants B,T,N,D,CAUSAL\n");
@@ -369,11 +369,17 @@ int time_shape(const std::string& spec, bool bf16, const char* variant, int iter
   p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse; p.q_lens = lens; p.kv_lens = lens;
   p.b = b; p.t = t; p.s = t; p.n = n; p.kh = n; p.d = d; p.dv = dv;
   p.scale = 1.f / std::sqrt(float(d)); p.window_right = causal ? 0 : -1;
+  p.window_left = window_left;
   const float ms = time_launches(p, bf16, variant, iters);
   if (ms < 0) { return 2; }
-  double flops = 2.0 * b * n * double(t) * t * (d + dv) / (causal ? 2 : 1);
-  std::printf("fwd %s b%d t%d n%d d%d dv%d causal=%d variant=%s: %.4f ms  %.1f TFLOP/s\n",
-              bf16 ? "bf16" : "fp16", b, t, n, d, dv, causal, variant, ms, flops / ms * 1e-9);
+  double pairs = 0;  // visible (query, key) pairs
+  for (int i = 0; i < t; ++i) {
+    const int lo = window_left >= 0 ? std::max(0, i - window_left) : 0, hi = causal ? i + 1 : t;
+    pairs += hi - lo;
+  }
+  const double flops = 2.0 * b * n * pairs * (d + dv);
+  std::printf("fwd %s b%d t%d n%d d%d dv%d causal=%d window_left=%d variant=%s: %.4f ms  %.1f TFLOP/s\n",
+              bf16 ? "bf16" : "fp16", b, t, n, d, dv, causal, window_left, variant, ms, flops / ms * 1e-9);
   return 0;
 }
 
@@ -416,7 +422,7 @@ int time_decode(const std::string& spec, bool bf16, const char* variant, int ite
 
 int main(int argc, char** argv) {
   std::string dtype = "bf16", variant = "default", time_spec, decode_spec, only = "all";
-  int dv_arg = 0, splits = 1;
+  int dv_arg = 0, splits = 1, window_left = -1;
   int iters = 20;
   std::vector<int> hdims = {64, 128, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -431,10 +437,11 @@ int main(int argc, char** argv) {
     else if (a == "--hdims") hdims = check_util::parse_int_list(argv[i + 1]);
     else if (a == "--only") only = argv[i + 1];
     else if (a == "--dv") dv_arg = std::atoi(argv[i + 1]);
+    else if (a == "--window-left") window_left = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
   if (!decode_spec.empty()) return time_decode(decode_spec, dtype == "bf16", variant.c_str(), iters, splits);
-  if (!time_spec.empty()) return time_shape(time_spec, dtype == "bf16", variant.c_str(), iters, dv_arg);
+  if (!time_spec.empty()) return time_shape(time_spec, dtype == "bf16", variant.c_str(), iters, dv_arg, window_left);
   // Odd lengths, T != S, fewer K/V tiles than stages, several ring wrap-arounds,
   // GQA, windows, softcap, seq lengths, decode (T = 1).
   const std::vector<Case> cases = {
