@@ -130,12 +130,19 @@ def _rule(template, operand_types, replicated, v_transposed=False,
   # Shardy wants them in the order the factors first appear.
   extra = dict(need_replication_factors=tuple(
       f for f in factors if f in replicated))
+  q_heads, sizes = _query_heads(n, kh, mesh)
+  return template.replace("Q", q_heads), dict(extra, **sizes)
+
+
+def _query_heads(n, kh, mesh):
+  """How a rule spells ``n`` query heads over ``kh`` kv heads (see
+  :func:`_rule`) -> (factors, factor sizes)."""
   sizes = () if mesh is None else tuple(mesh.shape.values())
   if kh == 1 or any(z > 1 and n % z == 0 and kh % z for z in sizes):
-    return template.replace("Q", "n"), extra
+    return "n", {}
   if n == kh:
-    return template.replace("Q", "k"), extra
-  return template.replace("Q", "(k g)"), dict(extra, g=n // kh)
+    return "k", {}
+  return "(k g)", dict(g=n // kh)
 
 
 def _axes(entry):
@@ -545,15 +552,9 @@ def _mask_prepass(group):
   local); the heads are Q = (k g) as in :func:`_rule`."""
   def rule(mesh, ops):
     mn = ops[0].shape[1]
-    if mn == 1 or group == 1:
-      return "b n t s -> b n t p a, b n s p m, b n u c, b n w c", {}
-    # Shardy rejects a part of (k g) that a mesh axis cannot shard whole:
-    # there q and kv heads are factors of their own, and the partition decides.
-    sizes = () if mesh is None else tuple(mesh.shape.values())
-    if any(z > 1 and mn % z == 0 and (mn // group) % z for z in sizes):
-      return "b n t s -> b n t p a, b n s p m, b n u c, b k w c", {}
-    return ("b (k g) t s -> b (k g) t p a, b (k g) s p m, b (k g) u c, "
-            "b k w c"), dict(g=group)
+    q, sizes = _query_heads(mn, max(1, mn // group), mesh)
+    return (f"b {q} t s -> b {q} t p a, b {q} s p m, b {q} u c, b k w c",
+            sizes)
   return _prepass(lambda m: pair_rule.from_mask(
       m, max(1, m.shape[1] // group), *m.shape[2:]), rule, group)
 
@@ -566,7 +567,8 @@ def pairs_from_segment_ids(q_ids, kv_ids):
 
 
 def pairs_from_mask(mask, kv_heads, T, S):
-  """:func:`pair_rule.from_mask`, partitioned over the mask's batch."""
+  """:func:`pair_rule.from_mask`, partitioned over the mask's batch and
+  heads."""
   mask = jnp.asarray(mask, bool)
   mask = jnp.broadcast_to(mask, mask.shape[:2] + (T, S))
   return _mask_prepass(max(1, mask.shape[1] // int(kv_heads)))(mask)
