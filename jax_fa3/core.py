@@ -81,6 +81,8 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
   gets a gradient, the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
   S = k.shape[1]
+  if cfg.ring is None:
+    cfg = _without_unreachable_bounds(cfg, T, S)
   if q_lens is None:
     q_lens = jnp.full((B,), T, jnp.int32)
   if kv_lens is None:
@@ -112,6 +114,17 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
     return out, jnp.where(dead, jnp.inf, lse + shift)
   return _attention_jit(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks,
                         cfg)
+
+
+def _without_unreachable_bounds(cfg, T, S):
+  """A window side no row reaches is no bound: left >= T - 1 and right >=
+  S - 1 change no mask (top-left positions), and as -1 the kernels pick their
+  causal schedule and tiles for e.g. a (4096, 0) window on 2k rows."""
+  wl = -1 if cfg.window_left >= T - 1 else cfg.window_left
+  wr = -1 if cfg.window_right >= S - 1 else cfg.window_right
+  if (wl, wr) == (cfg.window_left, cfg.window_right):
+    return cfg
+  return dataclasses.replace(cfg, window_left=wl, window_right=wr)
 
 
 _NO_SECOND_ORDER = ("derivatives of second and higher order run on "

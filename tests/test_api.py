@@ -507,6 +507,39 @@ def test_routing_with_kernels_binds_the_kernels(fake_kernels):
       q, k, v, implementation="reference"), q, k, v) == set()
 
 
+@pytest.mark.parametrize("window,causal,seen", [
+    ((8, 0), False, (-1, 0)),      # left reaches past row 0 (T = 9): causal
+    ((4096, 0), False, (-1, 0)),
+    ((4096, 4096), True, (-1, 0)),
+    ((3, 11), False, (3, -1)),     # right reaches key S - 1 (S = 12)
+    ((8, 11), False, (-1, -1)),
+    ((7, 10), False, (7, 10)),     # both bounds still cut some row
+    ((0, 0), True, (0, 0)),
+])
+def test_unreachable_window_bounds_reach_the_kernels_as_none(
+    fake_kernels, window, causal, seen):
+  # Same mask either way; as -1 the kernels pick their causal / unmasked
+  # schedule. Forward and backward see the same bounds.
+  q, k, v, _ = _rand(17, B=2, T=9, S=12, N=4, K=2, dtype=jnp.bfloat16)
+  f = lambda q, k, v: jax_fa3.attention(  # noqa: E731
+      q, k, v, local_window_size=window, is_causal=causal)
+  lines = (_ffi_lines(_grad(f), "jax_fa3_fwd", q, k, v)
+           + _ffi_lines(_grad(f), "jax_fa3_bwd", q, k, v))
+  assert len(lines) == 2
+  for line in lines:
+    assert f"window_left = {seen[0]} :" in line, line
+    assert f"window_right = {seen[1]} :" in line, line
+  # and the answer is the window's (reference path, float32, vs jax.nn)
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  ours = jax_fa3.attention(q32, k32, v32, local_window_size=window,
+                           is_causal=causal, implementation="reference")
+  kr = jnp.repeat(k32, 2, axis=2)
+  vr = jnp.repeat(v32, 2, axis=2)
+  ref = jax.nn.dot_product_attention(q32, kr, vr, local_window_size=window,
+                                     is_causal=causal)
+  _close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_empty_query_on_the_kernel_path(fake_kernels):
   # T = 0 (or B = 0): an empty output and gradients, also where segment
   # ids or a mask build block spans against the other side's empty rows.
