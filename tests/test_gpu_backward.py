@@ -166,6 +166,13 @@ def test_grad_combined(cfg):
          softcap=20.0, lens=True)
 
 
+@pytest.mark.parametrize("window", [(4096, 0), (2, 4096)], ids=["left_past", "right_past"])
+@pytest.mark.parametrize("cfg", BF16_PRIMARY, ids=cid)
+def test_grad_window_bound_past_the_rows(cfg, window):
+  # A bound no row reaches reaches the kernels as none (causal / one-sided).
+  _check(cfg, 640, 896, b=2, n=4, k=2, window=window)
+
+
 @pytest.mark.parametrize("cfg", BF16_DET, ids=cid)
 def test_grad_deterministic_matches(cfg):
   _check(cfg, 640, 896, b=2, n=4, k=2, causal=True, deterministic=True)

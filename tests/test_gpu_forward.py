@@ -219,7 +219,7 @@ def test_forward_gqa(cfg, t, s, n, k, causal):
   _check_forward(cfg[0], cfg[1], t, s, b=b, n=n, k=k, causal=causal)
 
 
-WINDOWS = [(0, 0), (17, 0), (64, 31), (3, 300)]
+WINDOWS = [(0, 0), (17, 0), (64, 31), (3, 300), (4096, 0)]  # (4096, 0): past every row
 WINDOW_PAIRS = [(128, 217), (640, 128), (1024, 1023)]
 
 
