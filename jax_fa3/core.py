@@ -120,11 +120,9 @@ def _without_unreachable_bounds(cfg, T, S):
   """A window side no row reaches is no bound: left >= T - 1 and right >=
   S - 1 change no mask (top-left positions), and as -1 the kernels pick their
   causal schedule and tiles for e.g. a (4096, 0) window on 2k rows."""
-  wl = -1 if cfg.window_left >= T - 1 else cfg.window_left
-  wr = -1 if cfg.window_right >= S - 1 else cfg.window_right
-  if (wl, wr) == (cfg.window_left, cfg.window_right):
-    return cfg
-  return dataclasses.replace(cfg, window_left=wl, window_right=wr)
+  return dataclasses.replace(
+      cfg, window_left=-1 if cfg.window_left >= T - 1 else cfg.window_left,
+      window_right=-1 if cfg.window_right >= S - 1 else cfg.window_right)
 
 
 _NO_SECOND_ORDER = ("derivatives of second and higher order run on "
