@@ -7,6 +7,8 @@
 // monotone (the order's promise holds). Forward lines start with "fwd".
 #include <algorithm>
 #include <cstdio>
+#include <functional>
+#include <queue>
 #include <vector>
 #include "bwd/tile_scheduler.h"
 #include "fwd/tile_scheduler.h"
@@ -117,6 +119,28 @@ int check_fwd_balance() {
   return failures;
 }
 
+// Greedy dispatch of `o` (each unit to the SM that frees first, as the
+// kernel's tile counter does), unit work as tail_ratio counts it: the finish
+// time over an even split of the work.
+double simulate(const BwdTileOrder& o, const BwdParams& p, int block_m, int block_n, int sms) {
+  const jax_fa3::MaskRule rule{p.t, p.s, p.window_left, p.window_right};
+  std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
+  for (int i = 0; i < sms; ++i) { free_at.push(0.0); }
+  double total = 0, end = 0;
+  for (int bid = 0; bid < o.num_ctas(); ++bid) {
+    const int j = o(bid).n_block;
+    const jax_fa3::Interval rows = rule.row_range(j * block_n, std::min((j + 1) * block_n, p.s));
+    const int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
+    const double w = double(p.n / p.kh) * blocks + BwdTileOrder::kUnitOverhead;
+    const double t = free_at.top() + w;
+    free_at.pop();
+    free_at.push(t);
+    total += w;
+    end = std::max(end, t);
+  }
+  return end * sms / total;
+}
+
 int main() {
   int failures = check_fwd() + check_fwd_balance();
   const int seqs[] = {1, 127, 128, 1000, 4096, 8192, 16384, 40000};
@@ -130,7 +154,7 @@ int main() {
         p.window_left = -1;
         p.window_right = mode == 0 ? -1 : 0;  // non-causal / causal
         p.deterministic = mode == 2;
-        BwdTileOrder order = BwdTileOrder::make(p, 128);
+        BwdTileOrder order = BwdTileOrder::make(p, 64, 128);
         if (chunk > 0 && order.order == BwdTileOrder::kLongestFirst) { order.chunk = chunk; }  // 0: chunk_for's width
         const int max_slots = 100;
         if (!p.deterministic) { order.plan_split(sms, (s + 63) / 64, max_slots); }
@@ -172,22 +196,29 @@ int main() {
   }
   // The default chunk width on the benchmark's shapes (16k tokens, hidden
   // 2048, 132 SMs, causal) and on a GQA one: "rule <name> chunk=<width>".
-  struct RuleCase { const char* name; int b, t, n, kh, d, block_n; };
+  struct RuleCase { const char* name; int b, t, n, kh, d, block_m, block_n; };
   const RuleCase rules[] = {
-      {"d128_8k", 2, 8192, 16, 16, 128, 128},  {"d128_16k", 1, 16384, 16, 16, 128, 128},
-      {"d256_4k", 4, 4096, 8, 8, 256, 64},     {"d256_8k", 2, 8192, 8, 8, 256, 64},
-      {"d64_16k", 1, 16384, 32, 32, 64, 128},  {"gqa16_4_d128_8k", 2, 8192, 16, 4, 128, 128},
-      {"d128_4k", 4, 4096, 16, 16, 128, 128},  {"d64_4k", 4, 4096, 32, 32, 64, 128},
+      {"d128_8k", 2, 8192, 16, 16, 128, 64, 128},  {"d128_16k", 1, 16384, 16, 16, 128, 64, 128},
+      {"d256_4k", 4, 4096, 8, 8, 256, 64, 64},     {"d256_8k", 2, 8192, 8, 8, 256, 64, 64},
+      {"d64_16k", 1, 16384, 32, 32, 64, 128, 128}, {"gqa16_4_d128_8k", 2, 8192, 16, 4, 128, 64, 128},
+      {"d128_4k", 4, 4096, 16, 16, 128, 64, 128},  {"d64_4k", 4, 4096, 32, 32, 64, 128, 128},
+      {"gqa16_4_d128_8k_b4", 4, 8192, 16, 4, 128, 64, 128}, {"gqa32_8_d128_8k", 2, 8192, 32, 8, 128, 64, 128},
+      {"gqa64_8_d128_2k", 4, 2048, 64, 8, 128, 64, 128},    {"gqa64_8_d128_4k", 2, 4096, 64, 8, 128, 64, 128},
   };
   for (const RuleCase& r : rules) {
     BwdParams p;
     p.b = r.b; p.t = p.s = r.t; p.n = r.n; p.kh = r.kh; p.d = r.d; p.num_sms = 132;
     p.window_left = -1; p.window_right = 0;
-    std::printf("rule %s chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n).chunk);
+    const BwdTileOrder o = BwdTileOrder::make(p, r.block_m, r.block_n);
+    BwdTileOrder wide = o;  // chunk_for's width, before make() narrows it for the tail
+    wide.chunk = BwdTileOrder::chunk_for(p, o.num_units());
+    std::printf("rule %s chunk=%d wide=%d est=%.3f sim=%.3f sim_wide=%.3f\n", r.name, o.chunk, wide.chunk,
+                o.tail_ratio(p, r.block_m, r.block_n, 132), simulate(o, p, r.block_m, r.block_n, 132),
+                simulate(wide, p, r.block_m, r.block_n, 132));
     // The same with packed documents (segment ids): the narrow chunk.
     const int32_t ids = 0;
     p.pair.q_ids = &ids;
-    std::printf("rule %s_packed chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n).chunk);
+    std::printf("rule %s_packed chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_m, r.block_n).chunk);
   }
   std::printf("failures=%d\n", failures);
   return failures != 0;

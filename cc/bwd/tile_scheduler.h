@@ -19,7 +19,9 @@
 // dK/dV in fp32 (epilogue.h).
 #pragma once
 
+#include <cmath>
 #include <cute/config.hpp>
+#include "../common/mask.h"
 #include "params.h"
 
 namespace jax_fa3 {
@@ -56,7 +58,16 @@ struct BwdTileOrder {
   int chunk = kDefaultChunk;
   int split_from = 0x7fffffff, pieces = 1;  // units >= split_from run as `pieces` CTAs each
 
-  static BwdTileOrder make(const BwdParams& p, int block_n) {
+  // The tail of a longest-first order: its last chunk's key blocks start
+  // last, and where an SM's share is only a few of them (GQA: a key block
+  // carries its whole group of query heads) the longest can outlast the rest
+  // of the grid by much of a share (GQA 64/8, 2k: a head-wide chunk's first
+  // key block is 8 heads x 32 query blocks, about half an SM's share).
+  // make() halves chunk_for's width until tail_ratio is within kTailBudget.
+  static constexpr double kTailBudget = 0.10;
+  static constexpr double kUnitOverhead = 1.0;  // K/V load and epilogue, in query blocks
+
+  static BwdTileOrder make(const BwdParams& p, int block_m, int block_n) {
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
     const int order = (p.deterministic && p.window_right >= 0) ? kDescending
                       : causal_like                            ? kLongestFirst
@@ -65,9 +76,47 @@ struct BwdTileOrder {
     // Packed documents: a key block sees only its document's rows, so the
     // working set is far below chunk_for's estimate, and narrow chunks
     // balance the documents' uneven key blocks best.
-    o.chunk = p.pair.q_ids != nullptr ? kNarrowChunk : chunk_for(p, o.num_units());
+    const bool packed = p.pair.q_ids != nullptr;
+    o.chunk = packed ? kNarrowChunk : chunk_for(p, o.num_units());
+    if (order == kLongestFirst && !packed) {
+      const int sms = p.num_sms > 0 ? p.num_sms : 132;
+      while (o.chunk > 1 && o.tail_ratio(p, block_m, block_n, sms) > 1.0 + kTailBudget) { o.chunk /= 2; }
+    }
+    if (p.tile_chunk > 0) { o.chunk = p.tile_chunk; }
     o.split_from = o.num_units();
     return o;
+  }
+
+  // Estimated end of the dispatch order relative to an even split of the
+  // work over `sms` SMs (greedy dispatch, as the kernel's tile counter does):
+  // a unit of work w dispatched when R is left (its own and everything after
+  // it) ends about w - R / sms after the others. Work: the query blocks a key
+  // block visits (its rows at full length, times the GQA group) plus
+  // kUnitOverhead. Only each chunk's last (head, batch) row matters: R is
+  // smallest there.
+  double tail_ratio(const BwdParams& p, int block_m, int block_n, int sms) const {
+    const MaskRule rule{p.t, p.s, p.window_left, p.window_right};
+    const double group = double(p.n / p.kh);
+    auto work = [&](int j) {
+      const Interval rows = rule.row_range(j * block_n, min((j + 1) * block_n, p.s));
+      const int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
+      return group * blocks + kUnitOverhead;
+    };
+    double total = 0;
+    for (int j = 0; j < num_n; ++j) { total += work(j); }
+    total *= num_hb;
+    double after = 0, worst = 0;  // after: work of the chunks after this one
+    for (int c0 = (num_n - 1) / chunk * chunk; c0 >= 0; c0 -= chunk) {
+      double left = after, row = 0;
+      for (int j = min(num_n, c0 + chunk) - 1; j >= c0; --j) {
+        const double w = work(j);
+        left += w;
+        row += w;
+        worst = fmax(worst, w - left / sms);
+      }
+      after += row * num_hb;
+    }
+    return total > 0 ? 1.0 + worst * sms / total : 1.0;
   }
   CUTE_HOST_DEVICE int num_units() const { return num_n * num_hb; }
   CUTE_HOST_DEVICE int num_ctas() const { return split_from + (num_units() - split_from) * pieces; }

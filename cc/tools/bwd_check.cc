@@ -8,8 +8,12 @@
 // --dv: V's (and O's, dO's, dV's) head dim for every --hdims entry, e.g. 128
 // with --hdims 192 for the latent-attention tiles; default: the same as d.
 //   jax_fa3_bwd_check --time B,T,N,D,CAUSAL [--dv Hv] [--iters 20] [--deterministic 1] [--softcap 30]
+//                     [--kv-heads KH] [--chunks 0,1,4] [--repeats R]
 // times the backward launches alone (one forward call supplies out and lse)
 // with CUDA events (no check): a target for `ncu -k regex:bwd_kernel`.
+// --kv-heads: K/V heads (GQA; default N). --chunks: the
+// longest-first dispatch chunk widths to time (BwdParams::tile_chunk, 0: the
+// launcher's choice), interleaved over --repeats rounds on the same inputs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -329,9 +333,15 @@ Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
 }
 
 // Backward launches alone on one shape (s = t, kh = n); one forward call makes out and lse.
-int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool deterministic, float softcap, int iters) {
+int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool deterministic, float softcap, int iters,
+               int kv_heads, const std::vector<int>& chunks, int repeats) {
   const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, right = ts.causal ? 0 : -1;
-  Buffers m = alloc(b, t, t, n, n, d, dv);
+  const int kh = kv_heads > 0 ? kv_heads : n;
+  if (n % kh != 0) {
+    std::fprintf(stderr, "--kv-heads must divide N\n");
+    return 2;
+  }
+  Buffers m = alloc(b, t, t, n, kh, d, dv);
   NormalRng rng(7);
   if (dv == d) {
     check_util::fill_device_normal({m.q, m.k, m.v, m.dout}, m.nq(), rng, bf16);
@@ -345,7 +355,7 @@ int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool determini
   const int dt = bf16 ? 0 : 1;
   const check_util::Segments no_seg(b, t, t, 0, false, 0);
   const jax_fa3::FwdParams fp = fwd_params(m, softcap, -1, right, no_seg);
-  const jax_fa3::BwdParams bp = bwd_params(m, softcap, -1, right, deterministic, no_seg);
+  jax_fa3::BwdParams bp = bwd_params(m, softcap, -1, right, deterministic, no_seg);
   int err = jax_fa3_fwd_launch(&fp, dt, dv != d ? "auto" : "default", nullptr);
   if (err == 0) {
     check_util::wait_or_die(kTag, "forward (timing)", g_watchdog_s);
@@ -361,18 +371,24 @@ int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool determini
   }
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
-  CHECK_CUDA(cudaEventRecord(e0));
-  for (int it = 0; it < iters; ++it) CHECK_CUDA(cudaError_t(jax_fa3_bwd_launch(&bp, dt, nullptr)));
-  CHECK_CUDA(cudaEventRecord(e1));
-  CHECK_CUDA(cudaEventSynchronize(e1));
-  float ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-  ms /= iters;
   // 5 GEMMs: S, dK, dQ contract or span d, dP and dV span dv (2.5x the
   // forward's S, O when dv == d).
   const double flops = 2.0 * b * n * double(t) * t * (3.0 * d + 2.0 * dv) / (ts.causal ? 2 : 1);
-  std::printf("bwd %s b%d t%d n%d %s causal=%d det=%d softcap=%g: %.4f ms  %.1f TFLOP/s\n", bf16 ? "bf16" : "fp16",
-              b, t, n, dims_name(d, dv).c_str(), ts.causal, int(deterministic), softcap, ms, flops / ms * 1e-9);
+  for (int rep = 0; rep < repeats; ++rep) {
+    for (int chunk : chunks) {
+      bp.tile_chunk = chunk;
+      CHECK_CUDA(cudaEventRecord(e0));
+      for (int it = 0; it < iters; ++it) CHECK_CUDA(cudaError_t(jax_fa3_bwd_launch(&bp, dt, nullptr)));
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      ms /= iters;
+      std::printf("bwd %s b%d t%d n%d kh%d %s causal=%d det=%d softcap=%g chunk=%d rep=%d: %.4f ms  %.1f TFLOP/s\n",
+                  bf16 ? "bf16" : "fp16", b, t, n, kh, dims_name(d, dv).c_str(), ts.causal,
+                  int(deterministic), softcap, chunk, rep, ms, flops / ms * 1e-9);
+    }
+  }
   cudaEventDestroy(e0); cudaEventDestroy(e1);
   release(m);
   return 0;
@@ -382,7 +398,8 @@ int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool determini
 
 int main(int argc, char** argv) {
   std::string dtype = "bf16", time_spec, only;
-  int iters = 20, dv_arg = 0;
+  int iters = 20, dv_arg = 0, kv_heads = 0, repeats = 1;
+  std::vector<int> chunks = {0};
   bool deterministic = false;
   float softcap = 0.f;
   std::vector<int> hdims = {64, 128, 256};
@@ -397,6 +414,9 @@ int main(int argc, char** argv) {
     else if (a == "--deterministic") deterministic = std::atoi(argv[i + 1]) != 0;
     else if (a == "--softcap") softcap = float(std::atof(argv[i + 1]));
     else if (a == "--dv") dv_arg = std::atoi(argv[i + 1]);
+    else if (a == "--kv-heads") kv_heads = std::atoi(argv[i + 1]);
+    else if (a == "--chunks") chunks = check_util::parse_int_list(argv[i + 1]);
+    else if (a == "--repeats") repeats = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
   if (argc % 2 == 0) { std::fprintf(stderr, "flags come in pairs: --flag value\n"); return 2; }
@@ -408,7 +428,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--time wants B,T,N,D,CAUSAL\n");
       return 2;
     }
-    return time_shape(ts, dv_arg > 0 ? dv_arg : ts.d, bf16, deterministic, softcap, std::max(iters, 1));
+    return time_shape(ts, dv_arg > 0 ? dv_arg : ts.d, bf16, deterministic, softcap, std::max(iters, 1), kv_heads, chunks,
+                      std::max(repeats, 1));
   }
   // Odd lengths, T != S, GQA, causal, windows (one with rows that see no key),
   // softcap, seq lengths, deterministic dQ, split key blocks; several key and
