@@ -88,6 +88,15 @@ def test_tile_orders_are_permutations(tmp_path):
   # The estimate bounds the simulation from above (it assumes the worst
   # start for each of the last units).
   assert all(float(v["est"]) >= float(v["sim"]) - 0.01 for v in rule.values() if "est" in v), rule
+  # One wave of causal key blocks (GQA 8/1 per GPU under tensor
+  # parallelism): every key block splits, and the simulated backward ends
+  # within 15% of an even split instead of the longest key block's 2-4x.
+  split = {l.split()[1]: dict(kv.split("=") for kv in l.split()[2:])
+           for l in lines if l.startswith("split ")}
+  gqa = {k: v for k, v in split.items() if k.startswith("gqa")}
+  assert len(gqa) == 4 and all(
+      v["split"] == v["units"] and int(v["pieces"]) >= 3 and float(v["sim"]) <= 1.15
+      and float(v["speedup"]) >= 1.7 for v in gqa.values()), split
   # The forward: every tile once on every grid, one CTA per tile with segment
   # ids (in its order), both orders exercised.
   fwd = [l for l in lines if l.startswith("fwd ")]

@@ -121,23 +121,29 @@ int check_fwd_balance() {
 
 // Greedy dispatch of `o` (each unit to the SM that frees first, as the
 // kernel's tile counter does), unit work as tail_ratio counts it: the finish
-// time over an even split of the work.
-double simulate(const BwdTileOrder& o, const BwdParams& p, int block_m, int block_n, int sms) {
+// time over an even split of the work (end: the finish time itself).
+double simulate(const BwdTileOrder& o, const BwdParams& p, int block_m, int block_n, int sms, double* end_out = nullptr) {
   const jax_fa3::MaskRule rule{p.t, p.s, p.window_left, p.window_right};
   std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
   for (int i = 0; i < sms; ++i) { free_at.push(0.0); }
   double total = 0, end = 0;
   for (int bid = 0; bid < o.num_ctas(); ++bid) {
-    const int j = o(bid).n_block;
+    const jax_fa3::BwdTile tile = o(bid);
+    const int j = tile.n_block;
     const jax_fa3::Interval rows = rule.row_range(j * block_n, std::min((j + 1) * block_n, p.s));
-    const int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
-    const double w = double(p.n / p.kh) * blocks + BwdTileOrder::kUnitOverhead;
+    int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
+    if (tile.pieces > 1) {  // a share's query blocks, as KeyBlockMask::take_share cuts them
+      blocks = blocks * (tile.piece + 1) / tile.pieces - blocks * tile.piece / tile.pieces;
+    }
+    const double w = double(p.n / p.kh) * blocks + BwdTileOrder::kUnitOverhead +
+                     (tile.pieces > 1 ? BwdTileOrder::kShareOverhead : 0.0);
     const double t = free_at.top() + w;
     free_at.pop();
     free_at.push(t);
     total += w;
     end = std::max(end, t);
   }
+  if (end_out != nullptr) { *end_out = end; }
   return end * sms / total;
 }
 
@@ -157,7 +163,7 @@ int main() {
         BwdTileOrder order = BwdTileOrder::make(p, 64, 128);
         if (chunk > 0 && order.order == BwdTileOrder::kLongestFirst) { order.chunk = chunk; }  // 0: chunk_for's width
         const int max_slots = 100;
-        if (!p.deterministic) { order.plan_split(sms, (s + 63) / 64, max_slots); }
+        if (!p.deterministic) { order.plan_split(p, 64, 128, max_slots); }
         std::vector<int> seen(size_t(order.num_n) * order.num_hb, 0);
         std::vector<int> slot_of(seen.size(), -1);
         bool ok = order.num_split() <= max_slots && (order.pieces == 1) == (order.num_split() == 0);
@@ -205,6 +211,25 @@ int main() {
       {"gqa16_4_d128_8k_b4", 4, 8192, 16, 4, 128, 64, 128}, {"gqa32_8_d128_8k", 2, 8192, 32, 8, 128, 64, 128},
       {"gqa64_8_d128_2k", 4, 2048, 64, 8, 128, 64, 128},    {"gqa64_8_d128_4k", 2, 4096, 64, 8, 128, 64, 128},
   };
+  // One wave of causal key blocks (GQA under tensor parallelism: 8/1 per
+  // GPU): the split plan, and the simulated finish with and without it.
+  struct SplitCase { const char* name; int b, t, n, kh; };
+  const SplitCase splits[] = {{"gqa8_1_8k_b1", 1, 8192, 8, 1}, {"gqa8_1_8k_b2", 2, 8192, 8, 1},
+                              {"gqa4_1_4k_b2", 2, 4096, 4, 1}, {"gqa16_2_8k_b1", 1, 8192, 16, 2},
+                              {"mha8_1k_b1", 1, 1024, 8, 8}};
+  for (const SplitCase& c : splits) {
+    BwdParams p;
+    p.b = c.b; p.t = p.s = c.t; p.n = c.n; p.kh = c.kh; p.d = 128; p.num_sms = 132;
+    p.window_left = -1; p.window_right = 0;
+    BwdTileOrder o = BwdTileOrder::make(p, 64, 128);
+    const BwdTileOrder whole = o;
+    o.plan_split(p, 64, 128, 159);
+    double end = 0, end_whole = 0;
+    simulate(o, p, 64, 128, 132, &end);
+    simulate(whole, p, 64, 128, 132, &end_whole);
+    std::printf("split %s units=%d pieces=%d split=%d sim=%.3f speedup=%.2f\n", c.name, o.num_units(), o.pieces,
+                o.num_split(), simulate(o, p, 64, 128, 132), end_whole / end);
+  }
   for (const RuleCase& r : rules) {
     BwdParams p;
     p.b = r.b; p.t = p.s = r.t; p.n = r.n; p.kh = r.kh; p.d = r.d; p.num_sms = 132;

@@ -207,8 +207,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr int64_t kSplitSlotFloats = 2 * int64_t(Traits::kBlockN) * HeadDim;
   if (Traits::kSplitTail && !p.deterministic && p.dkv_split != nullptr) {
     const int64_t slots = (p.dkv_split_floats - kBwdMaxSplitUnits) / kSplitSlotFloats;
-    tiles.plan_split(p.num_sms, (p.t + Traits::kBlockM - 1) / Traits::kBlockM * (p.n / p.kh),
-                     int(slots < kBwdTileCounter ? slots : kBwdTileCounter));
+    tiles.plan_split(p, Traits::kBlockM, Traits::kBlockN, int(slots < kBwdTileCounter ? slots : kBwdTileCounter));
   }
   if (tiles.num_split() > 0) {  // zero the counters and the fp32 sums the shares add into
     err = cudaMemsetAsync(p.dkv_split, 0, sizeof(float) * (kBwdMaxSplitUnits + tiles.num_split() * kSplitSlotFloats),

@@ -64,9 +64,10 @@ struct BwdParams {
   bool deterministic = false;  // fixed-order dQ sums; never splits key blocks (tile_scheduler.h)
   int num_sms = 0;
   int d_v = 0;  // V's, O's and dV's head dim (latent attention: 128 at d = 192); 0: d
-  // Key blocks per chunk of the longest-first dispatch order (tile_scheduler.h);
-  // 0: the launcher's choice. Set only by the timing driver's sweeps.
-  int tile_chunk = 0;
+  // Dispatch overrides for the timing driver's sweeps (tile_scheduler.h):
+  // key blocks per chunk of the longest-first order, shares per split key
+  // block (1: none); 0: the launcher's choice.
+  int tile_chunk = 0, tile_pieces = 0;
 };
 
 using BwdLauncher = cudaError_t (*)(const BwdParams&, cudaStream_t);

@@ -58,12 +58,14 @@ struct BwdTileOrder {
   int chunk = kDefaultChunk;
   int split_from = 0x7fffffff, pieces = 1;  // units >= split_from run as `pieces` CTAs each
 
-  // The tail of a longest-first order: its last chunk's key blocks start
-  // last, and where an SM's share is only a few of them (GQA: a key block
-  // carries its whole group of query heads) the longest can outlast the rest
-  // of the grid by much of a share (GQA 64/8, 2k: a head-wide chunk's first
-  // key block is 8 heads x 32 query blocks, about half an SM's share).
-  // make() halves chunk_for's width until tail_ratio is within kTailBudget.
+  // The tail of a longest-first order: each chunk's last (head, batch) row
+  // starts late, and in a chunk as wide as the head that row holds the
+  // longest key blocks. Where an SM's share is only a few key blocks (GQA: a
+  // key block carries its whole group of query heads) the longest can
+  // outlast the rest of the grid by much of a share (GQA 64/8, 2k: a key
+  // block of 8 heads x 32 query blocks, about half a share). make() halves
+  // chunk_for's width until tail_ratio is within kTailBudget, giving up some
+  // of the chunk's L2 sharing for an even finish.
   static constexpr double kTailBudget = 0.10;
   static constexpr double kUnitOverhead = 1.0;  // K/V load and epilogue, in query blocks
 
@@ -87,29 +89,29 @@ struct BwdTileOrder {
     return o;
   }
 
+  // Work of key block j for the estimates below, in query blocks: the blocks
+  // its rows span at full length, times the GQA group, plus kUnitOverhead.
+  static double unit_work(const BwdParams& p, int block_m, int block_n, int j) {
+    const MaskRule rule{p.t, p.s, p.window_left, p.window_right};
+    const Interval rows = rule.row_range(j * block_n, min((j + 1) * block_n, p.s));
+    const int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
+    return double(p.n / p.kh) * blocks + kUnitOverhead;
+  }
+
   // Estimated end of the dispatch order relative to an even split of the
   // work over `sms` SMs (greedy dispatch, as the kernel's tile counter does):
   // a unit of work w dispatched when R is left (its own and everything after
-  // it) ends about w - R / sms after the others. Work: the query blocks a key
-  // block visits (its rows at full length, times the GQA group) plus
-  // kUnitOverhead. Only each chunk's last (head, batch) row matters: R is
-  // smallest there.
+  // it) ends about w - R / sms after the others. Only each chunk's last
+  // (head, batch) row matters: R is smallest there.
   double tail_ratio(const BwdParams& p, int block_m, int block_n, int sms) const {
-    const MaskRule rule{p.t, p.s, p.window_left, p.window_right};
-    const double group = double(p.n / p.kh);
-    auto work = [&](int j) {
-      const Interval rows = rule.row_range(j * block_n, min((j + 1) * block_n, p.s));
-      const int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
-      return group * blocks + kUnitOverhead;
-    };
     double total = 0;
-    for (int j = 0; j < num_n; ++j) { total += work(j); }
+    for (int j = 0; j < num_n; ++j) { total += unit_work(p, block_m, block_n, j); }
     total *= num_hb;
     double after = 0, worst = 0;  // after: work of the chunks after this one
     for (int c0 = (num_n - 1) / chunk * chunk; c0 >= 0; c0 -= chunk) {
       double left = after, row = 0;
       for (int j = min(num_n, c0 + chunk) - 1; j >= c0; --j) {
-        const double w = work(j);
+        const double w = unit_work(p, block_m, block_n, j);
         left += w;
         row += w;
         worst = fmax(worst, w - left / sms);
@@ -122,25 +124,55 @@ struct BwdTileOrder {
   CUTE_HOST_DEVICE int num_ctas() const { return split_from + (num_units() - split_from) * pieces; }
   int num_split() const { return num_units() - split_from; }
 
-  // Units of work in the last wave: r = units % sms (all of them below one
-  // wave). Split into q shares they take ceil(r q / sms) rounds of 1/q of a
-  // unit's time instead of one round of 1: choose the q that saves the most,
-  // preferring fewer shares unless more save another 5% of a unit.
-  // blocks_per_unit: query blocks one key block visits (over its GQA group).
-  // Longest-first orders end with their shortest key blocks, so they split
-  // only when everything fits in one wave.
-  void plan_split(int sms, int blocks_per_unit, int max_slots) {
-    const int units = num_units();
-    if (order == kDescending || sms <= 0 || (order == kLongestFirst && units > sms)) { return; }
-    const int r = units % sms;
+  // Splitting the key blocks of the grid's last wave into q shares each.
+  //  - Equal units (head-major): r = units % sms of them take ceil(r q / sms)
+  //    rounds of 1/q of a unit's time instead of one round of 1.
+  //  - Longest first: its last wave holds the shortest key blocks, so it
+  //    splits only when everything fits in one wave; there the longest key
+  //    block bounds the finish (GQA 8/1, 8k, batch 1: 64 key blocks on 132
+  //    SMs, the first 2x the mean), so every block splits and the estimate
+  //    is tail_ratio's, over the shares in dispatch order.
+  // Either way choose the q that saves the most, preferring fewer shares
+  // unless more save another 5%. tile_pieces (> 0) overrides the choice.
+  static constexpr double kShareOverhead = 1.0;  // the fp32 dK/dV combine, in query blocks
+  void plan_split(const BwdParams& p, int block_m, int block_n, int max_slots) {
+    const int units = num_units(), sms = p.num_sms;
+    const bool one_wave = order == kLongestFirst && units <= sms;
+    if (order == kDescending || sms <= 0 || (order == kLongestFirst && !one_wave)) { return; }
+    const int r = one_wave ? units : units % sms;
+    const int blocks_per_unit = (p.t + block_m - 1) / block_m * (p.n / p.kh);
     const int q_max = min(kMaxPieces, blocks_per_unit / kMinBlocksPerPiece);
     if (r == 0 || r > max_slots) { return; }
-    float best = 1.f;
-    for (int q = 2; q <= q_max; ++q) {
-      const float cost = float((r * q + sms - 1) / sms) / q;
-      if (cost < best - 0.05f) { best = cost; pieces = q; }
+    auto cost = [&](int q) {
+      if (!one_wave) { return float((r * q + sms - 1) / sms) / q; }
+      double total = 0, left = 0, worst = 0;
+      for (int u = 0; u < units; ++u) { total += q * share_work(p, block_m, block_n, u, q); }
+      for (int u = units - 1; u >= 0; --u) {
+        const double w = share_work(p, block_m, block_n, u, q);
+        for (int k = 0; k < q; ++k) {
+          left += w;
+          worst = fmax(worst, w - left / sms);
+        }
+      }
+      return float(total / sms + worst);
+    };
+    if (p.tile_pieces > 0) {
+      pieces = min(p.tile_pieces, kMaxPieces);
+    } else {
+      float best = cost(1);
+      const float step = one_wave ? 0.05f * best : 0.05f;
+      for (int q = 2; q <= q_max; ++q) {
+        const float c = cost(q);
+        if (c < best - step) { best = c; pieces = q; }
+      }
     }
     if (pieces > 1) { split_from = units - r; }
+  }
+  // One share of unit u (in dispatch order) split q ways: its part of the
+  // query blocks, the unit's overhead and, when shared, the combine.
+  double share_work(const BwdParams& p, int block_m, int block_n, int u, int q) const {
+    const double w = unit_work(p, block_m, block_n, (*this)(u).n_block) - kUnitOverhead;
+    return w / q + kUnitOverhead + (q > 1 ? kShareOverhead : 0.0);
   }
 
   CUTE_HOST_DEVICE BwdTile operator()(int bid) const {

@@ -4,16 +4,18 @@
 // (memcheck/racecheck/synccheck take seconds here, not an XLA compile per
 // shape) and as a smoke test that needs only the CUDA driver.
 //   jax_fa3_bwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--dv Hv] [--case NAME] [--watchdog SEC]
+//                     [--pieces N]
 // prints "PASS|FAIL <case> max_err=... tol=..." per case; exit status 0 iff all pass.
+// --pieces: split every key block of a splitting launch into N shares.
 // --dv: V's (and O's, dO's, dV's) head dim for every --hdims entry, e.g. 128
 // with --hdims 192 for the latent-attention tiles; default: the same as d.
 //   jax_fa3_bwd_check --time B,T,N,D,CAUSAL [--dv Hv] [--iters 20] [--deterministic 1] [--softcap 30]
-//                     [--kv-heads KH] [--chunks 0,1,4] [--repeats R]
+//                     [--kv-heads KH] [--chunks 0,1,4] [--pieces 0,1,4] [--repeats R]
 // times the backward launches alone (one forward call supplies out and lse)
 // with CUDA events (no check): a target for `ncu -k regex:bwd_kernel`.
-// --kv-heads: K/V heads (GQA; default N). --chunks: the
-// longest-first dispatch chunk widths to time (BwdParams::tile_chunk, 0: the
-// launcher's choice), interleaved over --repeats rounds on the same inputs.
+// --kv-heads: K/V heads (GQA; default N). --chunks / --pieces: dispatch
+// overrides to time (BwdParams::tile_chunk / tile_pieces, 0: the launcher's
+// choice), every pair, interleaved over --repeats rounds on the same inputs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,6 +43,7 @@ using check_util::NormalRng;
 
 constexpr const char* kTag = "[bwd_check]";
 double g_watchdog_s = 60;  // a deterministic-mode semaphore bug hangs rather than fails
+int g_tile_pieces = 0;     // --pieces N on the checks: every split key block in N shares
 
 struct Case {
   const char* name;
@@ -137,6 +140,7 @@ jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int rig
   p.scale = 1.f / std::sqrt(float(m.d)); p.softcap = softcap;
   p.window_left = left; p.window_right = right;
   p.deterministic = deterministic;
+  p.tile_pieces = g_tile_pieces;
   return p;
 }
 
@@ -334,7 +338,7 @@ Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
 
 // Backward launches alone on one shape (s = t, kh = n); one forward call makes out and lse.
 int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool deterministic, float softcap, int iters,
-               int kv_heads, const std::vector<int>& chunks, int repeats) {
+               int kv_heads, const std::vector<int>& chunks, const std::vector<int>& pieces, int repeats) {
   const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, right = ts.causal ? 0 : -1;
   const int kh = kv_heads > 0 ? kv_heads : n;
   if (n % kh != 0) {
@@ -375,8 +379,9 @@ int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool determini
   // forward's S, O when dv == d).
   const double flops = 2.0 * b * n * double(t) * t * (3.0 * d + 2.0 * dv) / (ts.causal ? 2 : 1);
   for (int rep = 0; rep < repeats; ++rep) {
-    for (int chunk : chunks) {
+    for (int chunk : chunks) for (int piece : pieces) {
       bp.tile_chunk = chunk;
+      bp.tile_pieces = piece;
       CHECK_CUDA(cudaEventRecord(e0));
       for (int it = 0; it < iters; ++it) CHECK_CUDA(cudaError_t(jax_fa3_bwd_launch(&bp, dt, nullptr)));
       CHECK_CUDA(cudaEventRecord(e1));
@@ -384,9 +389,9 @@ int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool determini
       float ms = 0;
       CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
       ms /= iters;
-      std::printf("bwd %s b%d t%d n%d kh%d %s causal=%d det=%d softcap=%g chunk=%d rep=%d: %.4f ms  %.1f TFLOP/s\n",
+      std::printf("bwd %s b%d t%d n%d kh%d %s causal=%d det=%d softcap=%g chunk=%d pieces=%d rep=%d: %.4f ms  %.1f TFLOP/s\n",
                   bf16 ? "bf16" : "fp16", b, t, n, kh, dims_name(d, dv).c_str(), ts.causal,
-                  int(deterministic), softcap, chunk, rep, ms, flops / ms * 1e-9);
+                  int(deterministic), softcap, chunk, piece, rep, ms, flops / ms * 1e-9);
     }
   }
   cudaEventDestroy(e0); cudaEventDestroy(e1);
@@ -399,7 +404,7 @@ int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool determini
 int main(int argc, char** argv) {
   std::string dtype = "bf16", time_spec, only;
   int iters = 20, dv_arg = 0, kv_heads = 0, repeats = 1;
-  std::vector<int> chunks = {0};
+  std::vector<int> chunks = {0}, pieces = {0};
   bool deterministic = false;
   float softcap = 0.f;
   std::vector<int> hdims = {64, 128, 256};
@@ -416,6 +421,7 @@ int main(int argc, char** argv) {
     else if (a == "--dv") dv_arg = std::atoi(argv[i + 1]);
     else if (a == "--kv-heads") kv_heads = std::atoi(argv[i + 1]);
     else if (a == "--chunks") chunks = check_util::parse_int_list(argv[i + 1]);
+    else if (a == "--pieces") pieces = check_util::parse_int_list(argv[i + 1]);
     else if (a == "--repeats") repeats = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
@@ -429,8 +435,9 @@ int main(int argc, char** argv) {
       return 2;
     }
     return time_shape(ts, dv_arg > 0 ? dv_arg : ts.d, bf16, deterministic, softcap, std::max(iters, 1), kv_heads, chunks,
-                      std::max(repeats, 1));
+                      pieces, std::max(repeats, 1));
   }
+  g_tile_pieces = pieces.front();
   // Odd lengths, T != S, GQA, causal, windows (one with rows that see no key),
   // softcap, seq lengths, deterministic dQ, split key blocks; several key and
   // query blocks each.
