@@ -101,9 +101,10 @@ class Shape:
 
 
 # Shapes of real models beside the sweep (--shapes real): GQA 32/8 (Llama-3 8B-like)
-# 8k causal, GQA 64/8 (70B-like) 2k causal, a (4096, 0) sliding window at 16k.
+# 8k causal, GQA 64/8 (70B-like) 2k causal, the 70B-like layer's share of one GPU
+# under 8-way tensor parallelism (8/1, 8k causal), a (4096, 0) sliding window at 16k.
 REAL_SHAPES = (Shape(128, True, 8192, 2, 32, 4), Shape(128, True, 2048, 4, 64, 8),
-               Shape(128, True, 16384, 1, 16, 1, 4096))
+               Shape(128, True, 8192, 1, 8, 8), Shape(128, True, 16384, 1, 16, 1, 4096))
 # Multi-head latent attention (--shapes mla): value head dim below the query/key
 # one, DeepSeek's 192/128 without and with the causal mask, and 128/64 causal;
 # 8k tokens x batch 2, 16 heads.

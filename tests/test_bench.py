@@ -68,7 +68,7 @@ def test_dry_run_of_the_mla_shapes(capsys):
   assert b.main(["--shapes", "all", "--value-hdim", "64", "--hdims", "128", "--seqlens", "8k",
                  "--dry-run"]) == 0
   plans = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  d=")]
-  assert len(plans) == 5 and all(l.startswith("  d=128/64 ") for l in plans)
+  assert len(plans) == 2 + len(b.REAL_SHAPES) and all(l.startswith("  d=128/64 ") for l in plans)
 
 
 def test_window_flops_and_real_shapes():
@@ -81,7 +81,7 @@ def test_window_flops_and_real_shapes():
       1, 16, 4096, 128, True)
   names = {b._mask_name(s) for s in b.REAL_SHAPES}
   assert names == {"yes", "w4096"}
-  assert {b._heads(s) for s in b.REAL_SHAPES} == {"32/8", "64/8", "16"}
+  assert {b._heads(s) for s in b.REAL_SHAPES} == {"32/8", "64/8", "8/1", "16"}
 
 
 def test_clock_reason_shares():

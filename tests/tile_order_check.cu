@@ -4,7 +4,8 @@
 // problem, order and SM count it prints one line: order, pieces (split key
 // blocks of the last wave, 1 = none), ok (every (key block, KV head, batch)
 // exactly once, or a split one as each of its shares once, with its own slot),
-// monotone (the order's promise holds). Forward lines start with "fwd".
+// monotone (the order's promise holds). Forward lines start with "fwd"; "split"
+// lines give a one-wave causal grid's split plan and its simulated finish.
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -120,7 +121,7 @@ int check_fwd_balance() {
 }
 
 // Greedy dispatch of `o` (each unit to the SM that frees first, as the
-// kernel's tile counter does), unit work as tail_ratio counts it: the finish
+// kernel's tile counter does), unit work as plan_split counts it: the finish
 // time over an even split of the work (end: the finish time itself).
 double simulate(const BwdTileOrder& o, const BwdParams& p, int block_m, int block_n, int sms, double* end_out = nullptr) {
   const jax_fa3::MaskRule rule{p.t, p.s, p.window_left, p.window_right};
@@ -160,7 +161,7 @@ int main() {
         p.window_left = -1;
         p.window_right = mode == 0 ? -1 : 0;  // non-causal / causal
         p.deterministic = mode == 2;
-        BwdTileOrder order = BwdTileOrder::make(p, 64, 128);
+        BwdTileOrder order = BwdTileOrder::make(p, 128);
         if (chunk > 0 && order.order == BwdTileOrder::kLongestFirst) { order.chunk = chunk; }  // 0: chunk_for's width
         const int max_slots = 100;
         if (!p.deterministic) { order.plan_split(p, 64, 128, max_slots); }
@@ -202,14 +203,13 @@ int main() {
   }
   // The default chunk width on the benchmark's shapes (16k tokens, hidden
   // 2048, 132 SMs, causal) and on a GQA one: "rule <name> chunk=<width>".
-  struct RuleCase { const char* name; int b, t, n, kh, d, block_m, block_n; };
+  struct RuleCase { const char* name; int b, t, n, kh, d, block_n; };
   const RuleCase rules[] = {
-      {"d128_8k", 2, 8192, 16, 16, 128, 64, 128},  {"d128_16k", 1, 16384, 16, 16, 128, 64, 128},
-      {"d256_4k", 4, 4096, 8, 8, 256, 64, 64},     {"d256_8k", 2, 8192, 8, 8, 256, 64, 64},
-      {"d64_16k", 1, 16384, 32, 32, 64, 128, 128}, {"gqa16_4_d128_8k", 2, 8192, 16, 4, 128, 64, 128},
-      {"d128_4k", 4, 4096, 16, 16, 128, 64, 128},  {"d64_4k", 4, 4096, 32, 32, 64, 128, 128},
-      {"gqa16_4_d128_8k_b4", 4, 8192, 16, 4, 128, 64, 128}, {"gqa32_8_d128_8k", 2, 8192, 32, 8, 128, 64, 128},
-      {"gqa64_8_d128_2k", 4, 2048, 64, 8, 128, 64, 128},    {"gqa64_8_d128_4k", 2, 4096, 64, 8, 128, 64, 128},
+      {"d128_8k", 2, 8192, 16, 16, 128, 128},  {"d128_16k", 1, 16384, 16, 16, 128, 128},
+      {"d256_4k", 4, 4096, 8, 8, 256, 64},     {"d256_8k", 2, 8192, 8, 8, 256, 64},
+      {"d64_16k", 1, 16384, 32, 32, 64, 128},  {"gqa16_4_d128_8k", 2, 8192, 16, 4, 128, 128},
+      {"d128_4k", 4, 4096, 16, 16, 128, 128},  {"d64_4k", 4, 4096, 32, 32, 64, 128},
+      {"gqa64_8_d128_2k", 4, 2048, 64, 8, 128, 128},
   };
   // One wave of causal key blocks (GQA under tensor parallelism: 8/1 per
   // GPU): the split plan, and the simulated finish with and without it.
@@ -221,7 +221,7 @@ int main() {
     BwdParams p;
     p.b = c.b; p.t = p.s = c.t; p.n = c.n; p.kh = c.kh; p.d = 128; p.num_sms = 132;
     p.window_left = -1; p.window_right = 0;
-    BwdTileOrder o = BwdTileOrder::make(p, 64, 128);
+    BwdTileOrder o = BwdTileOrder::make(p, 128);
     const BwdTileOrder whole = o;
     o.plan_split(p, 64, 128, 159);
     double end = 0, end_whole = 0;
@@ -234,16 +234,11 @@ int main() {
     BwdParams p;
     p.b = r.b; p.t = p.s = r.t; p.n = r.n; p.kh = r.kh; p.d = r.d; p.num_sms = 132;
     p.window_left = -1; p.window_right = 0;
-    const BwdTileOrder o = BwdTileOrder::make(p, r.block_m, r.block_n);
-    BwdTileOrder wide = o;  // chunk_for's width, before make() narrows it for the tail
-    wide.chunk = BwdTileOrder::chunk_for(p, o.num_units());
-    std::printf("rule %s chunk=%d wide=%d est=%.3f sim=%.3f sim_wide=%.3f\n", r.name, o.chunk, wide.chunk,
-                o.tail_ratio(p, r.block_m, r.block_n, 132), simulate(o, p, r.block_m, r.block_n, 132),
-                simulate(wide, p, r.block_m, r.block_n, 132));
+    std::printf("rule %s chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n).chunk);
     // The same with packed documents (segment ids): the narrow chunk.
     const int32_t ids = 0;
     p.pair.q_ids = &ids;
-    std::printf("rule %s_packed chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_m, r.block_n).chunk);
+    std::printf("rule %s_packed chunk=%d\n", r.name, BwdTileOrder::make(p, r.block_n).chunk);
   }
   std::printf("failures=%d\n", failures);
   return failures != 0;

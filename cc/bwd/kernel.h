@@ -203,7 +203,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     err = cudaMemsetAsync(p.bias.grad, 0, bytes * size_t(p.b) * p.n * p.t * p.bias.row_stride, stream);
     if (err != cudaSuccess) { return err; }
   }
-  BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockM, Traits::kBlockN);
+  BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN);
   constexpr int64_t kSplitSlotFloats = 2 * int64_t(Traits::kBlockN) * HeadDim;
   if (Traits::kSplitTail && !p.deterministic && p.dkv_split != nullptr) {
     const int64_t slots = (p.dkv_split_floats - kBwdMaxSplitUnits) / kSplitSlotFloats;

@@ -41,7 +41,9 @@ struct BwdTileOrder {
   // does not fit even then and there are at least kWideMinUnitsPerSm key
   // blocks per SM. A chunk as wide as a head makes the order head-major
   // again, so the last heads' longest key blocks start late: a tail that
-  // grows with the GQA group (fewer, longer units).
+  // grows with the GQA group (fewer, longer units). Narrower chunks against
+  // that tail lost more in L2 than they gained (GQA 64/8 2k, chunk 1: 14%
+  // slower), so the working set alone decides.
   static constexpr int kDefaultChunk = 32, kNarrowChunk = 16, kWideChunk = 128, kWideMinUnitsPerSm = 15;
   static constexpr double kL2Budget = 40.0 * (1 << 20);
   static int chunk_for(const BwdParams& p, int num_units) {
@@ -58,18 +60,7 @@ struct BwdTileOrder {
   int chunk = kDefaultChunk;
   int split_from = 0x7fffffff, pieces = 1;  // units >= split_from run as `pieces` CTAs each
 
-  // The tail of a longest-first order: each chunk's last (head, batch) row
-  // starts late, and in a chunk as wide as the head that row holds the
-  // longest key blocks. Where an SM's share is only a few key blocks (GQA: a
-  // key block carries its whole group of query heads) the longest can
-  // outlast the rest of the grid by much of a share (GQA 64/8, 2k: a key
-  // block of 8 heads x 32 query blocks, about half a share). make() halves
-  // chunk_for's width until tail_ratio is within kTailBudget, giving up some
-  // of the chunk's L2 sharing for an even finish.
-  static constexpr double kTailBudget = 0.10;
-  static constexpr double kUnitOverhead = 1.0;  // K/V load and epilogue, in query blocks
-
-  static BwdTileOrder make(const BwdParams& p, int block_m, int block_n) {
+  static BwdTileOrder make(const BwdParams& p, int block_n) {
     const bool causal_like = p.window_right >= 0 && p.window_left < 0;
     const int order = (p.deterministic && p.window_right >= 0) ? kDescending
                       : causal_like                            ? kLongestFirst
@@ -78,48 +69,11 @@ struct BwdTileOrder {
     // Packed documents: a key block sees only its document's rows, so the
     // working set is far below chunk_for's estimate, and narrow chunks
     // balance the documents' uneven key blocks best.
-    const bool packed = p.pair.q_ids != nullptr;
-    o.chunk = packed ? kNarrowChunk : chunk_for(p, o.num_units());
-    if (order == kLongestFirst && !packed) {
-      const int sms = p.num_sms > 0 ? p.num_sms : 132;
-      while (o.chunk > 1 && o.tail_ratio(p, block_m, block_n, sms) > 1.0 + kTailBudget) { o.chunk /= 2; }
-    }
-    if (p.tile_chunk > 0) { o.chunk = p.tile_chunk; }
+    o.chunk = p.tile_chunk > 0 ? p.tile_chunk : p.pair.q_ids != nullptr ? kNarrowChunk : chunk_for(p, o.num_units());
     o.split_from = o.num_units();
     return o;
   }
 
-  // Work of key block j for the estimates below, in query blocks: the blocks
-  // its rows span at full length, times the GQA group, plus kUnitOverhead.
-  static double unit_work(const BwdParams& p, int block_m, int block_n, int j) {
-    const MaskRule rule{p.t, p.s, p.window_left, p.window_right};
-    const Interval rows = rule.row_range(j * block_n, min((j + 1) * block_n, p.s));
-    const int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
-    return double(p.n / p.kh) * blocks + kUnitOverhead;
-  }
-
-  // Estimated end of the dispatch order relative to an even split of the
-  // work over `sms` SMs (greedy dispatch, as the kernel's tile counter does):
-  // a unit of work w dispatched when R is left (its own and everything after
-  // it) ends about w - R / sms after the others. Only each chunk's last
-  // (head, batch) row matters: R is smallest there.
-  double tail_ratio(const BwdParams& p, int block_m, int block_n, int sms) const {
-    double total = 0;
-    for (int j = 0; j < num_n; ++j) { total += unit_work(p, block_m, block_n, j); }
-    total *= num_hb;
-    double after = 0, worst = 0;  // after: work of the chunks after this one
-    for (int c0 = (num_n - 1) / chunk * chunk; c0 >= 0; c0 -= chunk) {
-      double left = after, row = 0;
-      for (int j = min(num_n, c0 + chunk) - 1; j >= c0; --j) {
-        const double w = unit_work(p, block_m, block_n, j);
-        left += w;
-        row += w;
-        worst = fmax(worst, w - left / sms);
-      }
-      after += row * num_hb;
-    }
-    return total > 0 ? 1.0 + worst * sms / total : 1.0;
-  }
   CUTE_HOST_DEVICE int num_units() const { return num_n * num_hb; }
   CUTE_HOST_DEVICE int num_ctas() const { return split_from + (num_units() - split_from) * pieces; }
   int num_split() const { return num_units() - split_from; }
@@ -130,11 +84,13 @@ struct BwdTileOrder {
   //  - Longest first: its last wave holds the shortest key blocks, so it
   //    splits only when everything fits in one wave; there the longest key
   //    block bounds the finish (GQA 8/1, 8k, batch 1: 64 key blocks on 132
-  //    SMs, the first 2x the mean), so every block splits and the estimate
-  //    is tail_ratio's, over the shares in dispatch order.
+  //    SMs, the first 2x the mean), so every block splits. The estimate:
+  //    with greedy dispatch (the kernel's tile counter), a share of work w
+  //    dispatched when R is left (its own and everything after it) ends
+  //    about w - R / sms after the others, so the finish is about
+  //    total / sms + max(w - R / sms).
   // Either way choose the q that saves the most, preferring fewer shares
   // unless more save another 5%. tile_pieces (> 0) overrides the choice.
-  static constexpr double kShareOverhead = 1.0;  // the fp32 dK/dV combine, in query blocks
   void plan_split(const BwdParams& p, int block_m, int block_n, int max_slots) {
     const int units = num_units(), sms = p.num_sms;
     const bool one_wave = order == kLongestFirst && units <= sms;
@@ -168,11 +124,16 @@ struct BwdTileOrder {
     }
     if (pieces > 1) { split_from = units - r; }
   }
-  // One share of unit u (in dispatch order) split q ways: its part of the
-  // query blocks, the unit's overhead and, when shared, the combine.
+  // Work of one share of unit u (in dispatch order) split q ways, in query
+  // blocks: its part of the blocks the key block's rows span at full length
+  // (times the GQA group), plus the K/V load and epilogue, plus the combine.
+  static constexpr double kUnitOverhead = 1.0, kShareOverhead = 1.0;
   double share_work(const BwdParams& p, int block_m, int block_n, int u, int q) const {
-    const double w = unit_work(p, block_m, block_n, (*this)(u).n_block) - kUnitOverhead;
-    return w / q + kUnitOverhead + (q > 1 ? kShareOverhead : 0.0);
+    const int j = (*this)(u).n_block;
+    const Interval rows = MaskRule{p.t, p.s, p.window_left, p.window_right}.row_range(j * block_n,
+                                                                                     min((j + 1) * block_n, p.s));
+    const int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
+    return double(p.n / p.kh) * blocks / q + kUnitOverhead + (q > 1 ? kShareOverhead : 0.0);
   }
 
   CUTE_HOST_DEVICE BwdTile operator()(int bid) const {

@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -347,11 +348,14 @@ int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool determini
   }
   Buffers m = alloc(b, t, t, n, kh, d, dv);
   NormalRng rng(7);
+  // Q and dO span the query heads, K and V the K/V heads (fewer with GQA).
   if (dv == d) {
-    check_util::fill_device_normal({m.q, m.k, m.v, m.dout}, m.nq(), rng, bf16);
+    check_util::fill_device_normal({m.q, m.dout}, m.nq(), rng, bf16);
+    check_util::fill_device_normal({m.k, m.v}, m.nk(), rng, bf16);
   } else {
-    check_util::fill_device_normal({m.q, m.k}, m.nq(), rng, bf16);
-    check_util::fill_device_normal({m.v, m.dout}, m.no(), rng, bf16);
+    for (auto [ptr, count] : {std::pair{m.q, m.nq()}, {m.dout, m.no()}, {m.k, m.nk()}, {m.v, m.nv()}}) {
+      check_util::fill_device_normal({ptr}, count, rng, bf16);
+    }
   }
   std::vector<int32_t> lens(b, t);
   CHECK_CUDA(cudaMemcpy(m.ql, lens.data(), b * 4, cudaMemcpyHostToDevice));
@@ -378,8 +382,13 @@ int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool determini
   // 5 GEMMs: S, dK, dQ contract or span d, dP and dV span dv (2.5x the
   // forward's S, O when dv == d).
   const double flops = 2.0 * b * n * double(t) * t * (3.0 * d + 2.0 * dv) / (ts.causal ? 2 : 1);
+  // Each round starts one setting later, so none always runs first (coolest)
+  // or last in a round.
+  std::vector<std::pair<int, int>> settings;
+  for (int chunk : chunks) for (int piece : pieces) settings.emplace_back(chunk, piece);
   for (int rep = 0; rep < repeats; ++rep) {
-    for (int chunk : chunks) for (int piece : pieces) {
+    for (size_t k = 0; k < settings.size(); ++k) {
+      const auto [chunk, piece] = settings[(k + rep) % settings.size()];
       bp.tile_chunk = chunk;
       bp.tile_pieces = piece;
       CHECK_CUDA(cudaEventRecord(e0));
