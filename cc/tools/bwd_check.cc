@@ -337,7 +337,7 @@ Outcome run_case(const Case& c, int d, int dv, bool bf16, uint32_t seed) {
   return ok ? Outcome::kPass : Outcome::kFail;
 }
 
-// Backward launches alone on one shape (s = t, kh = n); one forward call makes out and lse.
+// Backward launches alone on one shape (s = t; kh = n unless --kv-heads); one forward call makes out and lse.
 int time_shape(const check_util::TimeSpec& ts, int dv, bool bf16, bool deterministic, float softcap, int iters,
                int kv_heads, const std::vector<int>& chunks, const std::vector<int>& pieces, int repeats) {
   const int b = ts.b, t = ts.t, n = ts.n, d = ts.d, right = ts.causal ? 0 : -1;
