@@ -101,8 +101,7 @@ struct BwdTileOrder {
     if (r == 0 || r > max_slots) { return; }
     auto cost = [&](int q) {
       if (!one_wave) { return float((r * q + sms - 1) / sms) / q; }
-      double total = 0, left = 0, worst = 0;
-      for (int u = 0; u < units; ++u) { total += q * share_work(p, block_m, block_n, u, q); }
+      double left = 0, worst = 0;  // left: the work from this share on; all of it at the end
       for (int u = units - 1; u >= 0; --u) {
         const double w = share_work(p, block_m, block_n, u, q);
         for (int k = 0; k < q; ++k) {
@@ -110,7 +109,7 @@ struct BwdTileOrder {
           worst = fmax(worst, w - left / sms);
         }
       }
-      return float(total / sms + worst);
+      return float(left / sms + worst);
     };
     if (p.tile_pieces > 0) {
       pieces = min(p.tile_pieces, kMaxPieces);
