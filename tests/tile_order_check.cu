@@ -2,14 +2,13 @@
 // and the forward's tile order (cc/fwd/tile_scheduler.h), built and run by
 // tests/test_host_checks.py with nvcc (no GPU needed). For each backward
 // problem, order and SM count it prints one line: order, pieces (split key
-// blocks of the last wave, 1 = none), ok (every (key block, KV head, batch)
+// blocks at the end of the grid, 1 = none), ok (every (key block, KV head, batch)
 // exactly once, or a split one as each of its shares once, with its own slot),
 // monotone (the order's promise holds). Forward lines start with "fwd"; "split"
-// lines give a one-wave causal grid's split plan and its simulated finish.
+// lines give a causal grid's split plan and its simulated finish.
 #include <algorithm>
 #include <cstdio>
 #include <functional>
-#include <queue>
 #include <vector>
 #include "bwd/tile_scheduler.h"
 #include "fwd/tile_scheduler.h"
@@ -120,30 +119,19 @@ int check_fwd_balance() {
   return failures;
 }
 
-// Greedy dispatch of `o` (each unit to the SM that frees first, as the
-// kernel's tile counter does), unit work as plan_split counts it: the finish
-// time over an even split of the work (end: the finish time itself).
+// The finish of `o` under the kernel's greedy dispatch (BwdTileOrder::dispatch,
+// the split planner's own model) over an even split of the same work (end:
+// the finish itself, in query blocks).
 double simulate(const BwdTileOrder& o, const BwdParams& p, int block_m, int block_n, int sms, double* end_out = nullptr) {
-  const jax_fa3::MaskRule rule{p.t, p.s, p.window_left, p.window_right};
-  std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
-  for (int i = 0; i < sms; ++i) { free_at.push(0.0); }
-  double total = 0, end = 0;
+  std::vector<int> blocks(o.num_n);
+  for (int n = 0; n < o.num_n; ++n) { blocks[n] = BwdTileOrder::query_blocks(p, block_m, block_n, n); }
+  double total = 0;
   for (int bid = 0; bid < o.num_ctas(); ++bid) {
-    const jax_fa3::BwdTile tile = o(bid);
-    const int j = tile.n_block;
-    const jax_fa3::Interval rows = rule.row_range(j * block_n, std::min((j + 1) * block_n, p.s));
-    int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
-    if (tile.pieces > 1) {  // a share's query blocks, as KeyBlockMask::take_share cuts them
-      blocks = blocks * (tile.piece + 1) / tile.pieces - blocks * tile.piece / tile.pieces;
-    }
-    const double w = double(p.n / p.kh) * blocks + BwdTileOrder::kUnitOverhead +
-                     (tile.pieces > 1 ? BwdTileOrder::kShareOverhead : 0.0);
-    const double t = free_at.top() + w;
-    free_at.pop();
-    free_at.push(t);
-    total += w;
-    end = std::max(end, t);
+    const jax_fa3::BwdTile t = o(bid);
+    total += BwdTileOrder::work(p, blocks[t.n_block], t.piece, t.pieces);
   }
+  std::vector<double> at(sms, 0.0);
+  const double end = o.dispatch(p, blocks, 0, o.num_ctas(), at);
   if (end_out != nullptr) { *end_out = end; }
   return end * sms / total;
 }
@@ -211,12 +199,17 @@ int main() {
       {"d128_4k", 4, 4096, 16, 16, 128, 128},  {"d64_4k", 4, 4096, 32, 32, 64, 128},
       {"gqa64_8_d128_2k", 4, 2048, 64, 8, 128, 128},
   };
-  // One wave of causal key blocks (GQA under tensor parallelism: 8/1 per
-  // GPU): the split plan, and the simulated finish with and without it.
+  // Causal grids: the split plan, and the simulated finish with and without
+  // it. One wave (GQA under tensor parallelism: 8/1 per GPU), several waves
+  // whose chunk spans whole heads (large GQA groups: the grid ends with the
+  // last heads' longest key blocks), and grids with little to gain.
   struct SplitCase { const char* name; int b, t, n, kh; };
-  const SplitCase splits[] = {{"gqa8_1_8k_b1", 1, 8192, 8, 1}, {"gqa8_1_8k_b2", 2, 8192, 8, 1},
-                              {"gqa4_1_4k_b2", 2, 4096, 4, 1}, {"gqa16_2_8k_b1", 1, 8192, 16, 2},
-                              {"mha8_1k_b1", 1, 1024, 8, 8}};
+  const SplitCase splits[] = {{"gqa8_1_8k_b1", 1, 8192, 8, 1},   {"gqa8_1_8k_b2", 2, 8192, 8, 1},
+                              {"gqa4_1_4k_b2", 2, 4096, 4, 1},   {"gqa16_2_8k_b1", 1, 8192, 16, 2},
+                              {"mha8_1k_b1", 1, 1024, 8, 8},     {"waves_gqa64_8_2k_b4", 4, 2048, 64, 8},
+                              {"waves_gqa16_4_8k_b2", 2, 8192, 16, 4}, {"waves_gqa32_8_8k_b2", 2, 8192, 32, 8},
+                              {"waves_mha16_16k_b1", 1, 16384, 16, 16}, {"waves_mha32_32k_b1", 1, 32768, 32, 32},
+                              {"waves_mha16_2k_b8", 8, 2048, 16, 16}};
   for (const SplitCase& c : splits) {
     BwdParams p;
     p.b = c.b; p.t = p.s = c.t; p.n = c.n; p.kh = c.kh; p.d = 128; p.num_sms = 132;

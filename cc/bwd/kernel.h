@@ -203,12 +203,13 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     err = cudaMemsetAsync(p.bias.grad, 0, bytes * size_t(p.b) * p.n * p.t * p.bias.row_stride, stream);
     if (err != cudaSuccess) { return err; }
   }
-  BwdTileOrder tiles = BwdTileOrder::make(p, Traits::kBlockN);
   constexpr int64_t kSplitSlotFloats = 2 * int64_t(Traits::kBlockN) * HeadDim;
-  if (Traits::kSplitTail && !p.deterministic && p.dkv_split != nullptr) {
+  int max_slots = 0;
+  if (Traits::kSplitTail && p.dkv_split != nullptr) {
     const int64_t slots = (p.dkv_split_floats - kBwdMaxSplitUnits) / kSplitSlotFloats;
-    tiles.plan_split(p, Traits::kBlockM, Traits::kBlockN, int(slots < kBwdTileCounter ? slots : kBwdTileCounter));
+    max_slots = int(slots < kBwdTileCounter ? slots : kBwdTileCounter);
   }
+  const BwdTileOrder tiles = BwdTileOrder::planned(p, Traits::kBlockM, Traits::kBlockN, max_slots);
   if (tiles.num_split() > 0) {  // zero the counters and the fp32 sums the shares add into
     err = cudaMemsetAsync(p.dkv_split, 0, sizeof(float) * (kBwdMaxSplitUnits + tiles.num_split() * kSplitSlotFloats),
                           stream);

@@ -17,11 +17,10 @@ constexpr int kBwdRowPad = 128;
 constexpr int kBwdBlockM = 64;
 
 // Split key blocks (tile_scheduler.h, BwdTileOrder::plan_split): the key
-// blocks of the grid's last, partial wave may run as several CTAs that each
-// take a share of the query blocks and add their fp32 dK/dV into a scratch
-// slot; the last one to finish stores the sums. A last wave holds fewer key
-// blocks than the GPU has SMs (132 on an H100/H200 SXM), so this cap on the
-// split key blocks per call does not bind on Hopper.
+// blocks at the end of the grid may run as several CTAs that each take a
+// share of the query blocks and add their fp32 dK/dV into a scratch slot;
+// the last one to finish stores the sums. This caps the split key blocks
+// per call (a wave and a fifth on an H100/H200 SXM's 132 SMs).
 constexpr int kBwdMaxSplitUnits = 160;
 // The last of those counters is the persistent kernel's tile counter (kernel.h;
 // zeroed by the preprocess), so at most kBwdTileCounter key blocks split.

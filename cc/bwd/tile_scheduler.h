@@ -12,14 +12,18 @@
 //  - descending, for deterministic causal-like runs: head-major with key
 //    blocks high to low, so a CTA waits only on CTAs dispatched before it
 //    (common/mask.h, KeyBlockMask::dq_turn).
-// Any order but the deterministic one may split the key blocks of the grid's
-// last, partial wave (plan_split), which would otherwise leave SMs idle at
-// the end of the grid. Each such block becomes `pieces` CTAs, appended at the
-// end of the grid, that take equal shares of its query blocks; they combine
-// dK/dV in fp32 (epilogue.h).
+// Any order but the deterministic one may split the key blocks at the end of
+// the grid (plan_split), where long ones would otherwise leave SMs idle while
+// they finish. Each such block becomes `pieces` CTAs, at the end of the grid,
+// that take equal shares of its query blocks; they combine dK/dV in fp32
+// (epilogue.h).
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <functional>
+#include <vector>
 #include <cute/config.hpp>
 #include "../common/mask.h"
 #include "params.h"
@@ -78,61 +82,116 @@ struct BwdTileOrder {
   CUTE_HOST_DEVICE int num_ctas() const { return split_from + (num_units() - split_from) * pieces; }
   int num_split() const { return num_units() - split_from; }
 
-  // Splitting the key blocks of the grid's last wave into q shares each.
+  // make + plan_split for the launcher. The split plan simulates the
+  // dispatch (~0.2 ms of host time for a 512-key-block grid), so each thread
+  // keeps its last few plans: a model's layers repeat the same shapes.
+  static BwdTileOrder planned(const BwdParams& p, int block_m, int block_n, int max_slots) {
+    // Everything make and plan_split read (p.d: chunk_for's working set).
+    using Key = std::array<int, 16>;
+    const Key key{p.b, p.t, p.s, p.n, p.kh, p.d, p.window_left, p.window_right, int(p.deterministic),
+                  int(p.pair.q_ids != nullptr), p.num_sms, p.tile_chunk, p.tile_pieces, block_m, block_n, max_slots};
+    struct Entry { Key key; BwdTileOrder order; };
+    static thread_local std::vector<Entry> recent;
+    for (const Entry& e : recent) {
+      if (e.key == key) { return e.order; }
+    }
+    BwdTileOrder o = make(p, block_n);
+    if (max_slots > 0 && !p.deterministic) { o.plan_split(p, block_m, block_n, max_slots); }
+    if (recent.size() == 8) { recent.erase(recent.begin()); }
+    recent.push_back({key, o});
+    return o;
+  }
+
+  // Splitting the key blocks at the end of the grid into q shares each.
   //  - Equal units (head-major): r = units % sms of them take ceil(r q / sms)
   //    rounds of 1/q of a unit's time instead of one round of 1.
-  //  - Longest first: its last wave holds the shortest key blocks, so it
-  //    splits only when everything fits in one wave; there the longest key
-  //    block bounds the finish (GQA 8/1, 8k, batch 1: 64 key blocks on 132
-  //    SMs, the first 2x the mean), so every block splits. The estimate:
-  //    with greedy dispatch (the kernel's tile counter), a share of work w
-  //    dispatched when R is left (its own and everything after it) ends
-  //    about w - R / sms after the others, so the finish is about
-  //    total / sms + max(w - R / sms).
+  //  - Longest first: the last r = min(units, max_slots) units split, q from
+  //    a simulation of the dispatch. Where the chunk is as wide as a head (few
+  //    key blocks, large GQA groups) the order is head-major, so the grid ends
+  //    with the last heads' longest blocks (GQA 64/8, 2k: 257 query blocks of
+  //    work against ~530 per SM); on one wave (GQA 8/1 per GPU: 64 key blocks
+  //    on 132 SMs) the longest block bounds the finish.
   // Either way choose the q that saves the most, preferring fewer shares
-  // unless more save another 5%. tile_pieces (> 0) overrides the choice.
+  // unless more save another 5% of the time. A smaller gain is not worth it:
+  // on MHA 16 heads, 2k, batch 8 a simulated 2% came out 2% slower (the
+  // shares' K/V loads and fp32 adds cost more than the model's one query
+  // block). tile_pieces (> 0) overrides the choice.
   void plan_split(const BwdParams& p, int block_m, int block_n, int max_slots) {
     const int units = num_units(), sms = p.num_sms;
-    const bool one_wave = order == kLongestFirst && units <= sms;
-    if (order == kDescending || sms <= 0 || (order == kLongestFirst && !one_wave)) { return; }
-    const int r = one_wave ? units : units % sms;
+    if (order == kDescending || sms <= 0 || max_slots <= 0) { return; }
+    const bool longest_first = order == kLongestFirst;
+    const int r = longest_first ? min(units, max_slots) : units % sms;
     const int blocks_per_unit = (p.t + block_m - 1) / block_m * (p.n / p.kh);
     const int q_max = min(kMaxPieces, blocks_per_unit / kMinBlocksPerPiece);
     if (r == 0 || r > max_slots) { return; }
-    auto cost = [&](int q) {
-      if (!one_wave) { return float((r * q + sms - 1) / sms) / q; }
-      double left = 0, worst = 0;  // left: the work from this share on; all of it at the end
-      for (int u = units - 1; u >= 0; --u) {
-        const double w = share_work(p, block_m, block_n, u, q);
-        for (int k = 0; k < q; ++k) {
-          left += w;
-          worst = fmax(worst, w - left / sms);
-        }
+    constexpr double kStep = 0.05;
+    std::vector<int> blocks(num_n);  // query blocks per head of each key block
+    std::vector<double> prefix;      // the SMs' free times once the units before the split ones are dispatched
+    if (longest_first) {
+      // Splitting saves at most the longest unit's time: not worth a simulation
+      // where that is below the step.
+      double total = 0, longest = 0;
+      for (int n = 0; n < num_n; ++n) {
+        blocks[n] = query_blocks(p, block_m, block_n, n);
+        const double w = work(p, blocks[n], 0, 1);
+        total += w * num_hb;
+        longest = fmax(longest, w);
       }
-      return float(left / sms + worst);
+      if (longest < kStep * total / sms && p.tile_pieces <= 0) { return; }
+      prefix.assign(sms, 0.0);
+      dispatch(p, blocks, 0, units - r, prefix);
+    }
+    auto cost = [&](int q) {
+      if (!longest_first) { return double((r * q + sms - 1) / sms) / q; }
+      BwdTileOrder o = *this;
+      o.pieces = q;
+      o.split_from = q > 1 ? units - r : units;
+      std::vector<double> at = prefix;
+      return o.dispatch(p, blocks, units - r, o.num_ctas(), at);
     };
     if (p.tile_pieces > 0) {
       pieces = min(p.tile_pieces, kMaxPieces);
     } else {
-      float best = cost(1);
-      const float step = one_wave ? 0.05f * best : 0.05f;
+      double best = cost(1);
+      const double margin = kStep * (longest_first ? best : 1.0);
       for (int q = 2; q <= q_max; ++q) {
-        const float c = cost(q);
-        if (c < best - step) { best = c; pieces = q; }
+        const double c = cost(q);
+        if (c < best - margin) { best = c; pieces = q; }
       }
     }
     if (pieces > 1) { split_from = units - r; }
   }
-  // Work of one share of unit u (in dispatch order) split q ways, in query
-  // blocks: its part of the blocks the key block's rows span at full length
-  // (times the GQA group), plus the K/V load and epilogue, plus the combine.
+
+  // The query blocks (per head) whose rows see key block n at full length.
+  static int query_blocks(const BwdParams& p, int block_m, int block_n, int n) {
+    const Interval rows = MaskRule{p.t, p.s, p.window_left, p.window_right}.row_range(n * block_n,
+                                                                                     min((n + 1) * block_n, p.s));
+    return rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
+  }
+  // Work of share `piece` of `pieces` of a unit whose key block spans
+  // `blocks` query blocks per head: its part of them as
+  // KeyBlockMask::take_share cuts them (times the GQA group), plus the K/V
+  // load and epilogue, plus the combine of a split one.
   static constexpr double kUnitOverhead = 1.0, kShareOverhead = 1.0;
-  double share_work(const BwdParams& p, int block_m, int block_n, int u, int q) const {
-    const int j = (*this)(u).n_block;
-    const Interval rows = MaskRule{p.t, p.s, p.window_left, p.window_right}.row_range(j * block_n,
-                                                                                     min((j + 1) * block_n, p.s));
-    const int blocks = rows.empty() ? 0 : (rows.hi + block_m - 1) / block_m - rows.lo / block_m;
-    return double(p.n / p.kh) * blocks / q + kUnitOverhead + (q > 1 ? kShareOverhead : 0.0);
+  static double work(const BwdParams& p, int blocks, int piece, int pieces) {
+    const int share = blocks * (piece + 1) / pieces - blocks * piece / pieces;
+    return double(p.n / p.kh) * share + kUnitOverhead + (pieces > 1 ? kShareOverhead : 0.0);
+  }
+
+  // Greedy dispatch of CTAs [begin, end) (each to the SM that frees first, as
+  // the kernel's tile counter does) onto the SMs' free times `at`; returns
+  // the last free time. blocks: query_blocks of each key block.
+  double dispatch(const BwdParams& p, const std::vector<int>& blocks, int begin, int end,
+                  std::vector<double>& at) const {
+    const auto later = std::greater<double>();
+    std::make_heap(at.begin(), at.end(), later);
+    for (int bid = begin; bid < end; ++bid) {
+      const BwdTile t = (*this)(bid);
+      std::pop_heap(at.begin(), at.end(), later);
+      at.back() += work(p, blocks[t.n_block], t.piece, t.pieces);
+      std::push_heap(at.begin(), at.end(), later);
+    }
+    return *std::max_element(at.begin(), at.end());
   }
 
   CUTE_HOST_DEVICE BwdTile operator()(int bid) const {

@@ -4,9 +4,11 @@
 // (memcheck/racecheck/synccheck take seconds here, not an XLA compile per
 // shape) and as a smoke test that needs only the CUDA driver.
 //   jax_fa3_bwd_check [--dtype bf16|fp16] [--hdims 64,128,256] [--dv Hv] [--case NAME] [--watchdog SEC]
-//                     [--pieces N]
+//                     [--pieces N] [--sms N]
 // prints "PASS|FAIL <case> max_err=... tol=..." per case; exit status 0 iff all pass.
 // --pieces: split every key block of a splitting launch into N shares.
+// --sms: plan the dispatch for an N-SM GPU, so that the small cases span
+// several waves (and split the key blocks at the end of the grid).
 // --dv: V's (and O's, dO's, dV's) head dim for every --hdims entry, e.g. 128
 // with --hdims 192 for the latent-attention tiles; default: the same as d.
 //   jax_fa3_bwd_check --time B,T,N,D,CAUSAL [--dv Hv] [--iters 20] [--deterministic 1] [--softcap 30]
@@ -45,6 +47,7 @@ using check_util::NormalRng;
 constexpr const char* kTag = "[bwd_check]";
 double g_watchdog_s = 60;  // a deterministic-mode semaphore bug hangs rather than fails
 int g_tile_pieces = 0;     // --pieces N on the checks: every split key block in N shares
+int g_sms = 0;             // --sms N on the checks: BwdParams::num_sms (0: the GPU's)
 
 struct Case {
   const char* name;
@@ -142,6 +145,7 @@ jax_fa3::BwdParams bwd_params(const Buffers& m, float softcap, int left, int rig
   p.window_left = left; p.window_right = right;
   p.deterministic = deterministic;
   p.tile_pieces = g_tile_pieces;
+  p.num_sms = g_sms;
   return p;
 }
 
@@ -431,6 +435,7 @@ int main(int argc, char** argv) {
     else if (a == "--kv-heads") kv_heads = std::atoi(argv[i + 1]);
     else if (a == "--chunks") chunks = check_util::parse_int_list(argv[i + 1]);
     else if (a == "--pieces") pieces = check_util::parse_int_list(argv[i + 1]);
+    else if (a == "--sms") g_sms = std::atoi(argv[i + 1]);
     else if (a == "--repeats") repeats = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
