@@ -96,6 +96,13 @@ def test_tile_orders_are_permutations(tmp_path):
   assert g64["split"] == "159" and float(g64["sim"]) <= 1.10 and float(g64["speedup"]) >= 1.15, g64
   assert float(waves["waves_gqa16_4_8k_b2"]["speedup"]) >= 1.05, waves
   assert all(waves[k]["pieces"] == "1" for k in ("waves_mha16_16k_b1", "waves_mha32_32k_b1", "waves_mha16_2k_b8")), waves
+  # Packed documents (segment ids): the work model's full rows do not hold,
+  # so a grid of several waves stays whole; one wave still splits.
+  packed = {l.split()[1]: dict(kv.split("=") for kv in l.split()[2:])
+            for l in lines if l.startswith("split_packed ")}
+  assert packed.keys() == split.keys(), packed
+  assert all((v["pieces"] == "1") == k.startswith("waves_") for k, v in packed.items()
+             if k.startswith(("waves_", "gqa"))), packed
   # The forward: every tile once on every grid, one CTA per tile with segment
   # ids (in its order), both orders exercised.
   fwd = [l for l in lines if l.startswith("fwd ")]

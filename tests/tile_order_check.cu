@@ -222,6 +222,12 @@ int main() {
     simulate(whole, p, 64, 128, 132, &end_whole);
     std::printf("split %s units=%d pieces=%d split=%d sim=%.3f speedup=%.2f\n", c.name, o.num_units(), o.pieces,
                 o.num_split(), simulate(o, p, 64, 128, 132), end_whole / end);
+    // The same grid with packed documents: only one wave splits.
+    const int32_t ids = 0;
+    p.pair.q_ids = &ids;
+    BwdTileOrder packed = BwdTileOrder::make(p, 128);
+    packed.plan_split(p, 64, 128, 159);
+    std::printf("split_packed %s units=%d pieces=%d\n", c.name, packed.num_units(), packed.pieces);
   }
   for (const RuleCase& r : rules) {
     BwdParams p;

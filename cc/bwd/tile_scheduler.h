@@ -120,6 +120,9 @@ struct BwdTileOrder {
     const int units = num_units(), sms = p.num_sms;
     if (order == kDescending || sms <= 0 || max_slots <= 0) { return; }
     const bool longest_first = order == kLongestFirst;
+    // The work model assumes full rows; packed documents (segment ids) give
+    // key blocks far less work, so their grids of several waves stay whole.
+    if (longest_first && units > sms && p.pair.q_ids != nullptr && p.tile_pieces <= 0) { return; }
     const int r = longest_first ? min(units, max_slots) : units % sms;
     const int blocks_per_unit = (p.t + block_m - 1) / block_m * (p.n / p.kh);
     const int q_max = min(kMaxPieces, blocks_per_unit / kMinBlocksPerPiece);
