@@ -152,10 +152,11 @@ int main() {
         BwdTileOrder order = BwdTileOrder::make(p, 128);
         if (chunk > 0 && order.order == BwdTileOrder::kLongestFirst) { order.chunk = chunk; }  // 0: chunk_for's width
         const int max_slots = 100;
-        if (!p.deterministic) { order.plan_split(p, 64, 128, max_slots); }
+        order.plan_split(p, 64, 128, max_slots);
         std::vector<int> seen(size_t(order.num_n) * order.num_hb, 0);
         std::vector<int> slot_of(seen.size(), -1);
-        bool ok = order.num_split() <= max_slots && (order.pieces == 1) == (order.num_split() == 0);
+        bool ok = order.num_split() <= max_slots && (order.pieces == 1) == (order.num_split() == 0) &&
+                  (!p.deterministic || order.pieces == 1);
         bool monotone = true;
         int prev_chunk = 0;
         std::vector<int> prev_n(order.num_hb, -1);

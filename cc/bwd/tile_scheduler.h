@@ -96,7 +96,7 @@ struct BwdTileOrder {
       if (e.key == key) { return e.order; }
     }
     BwdTileOrder o = make(p, block_n);
-    if (max_slots > 0 && !p.deterministic) { o.plan_split(p, block_m, block_n, max_slots); }
+    o.plan_split(p, block_m, block_n, max_slots);
     if (recent.size() == 8) { recent.erase(recent.begin()); }
     recent.push_back({key, o});
     return o;
@@ -118,7 +118,7 @@ struct BwdTileOrder {
   // block). tile_pieces (> 0) overrides the choice.
   void plan_split(const BwdParams& p, int block_m, int block_n, int max_slots) {
     const int units = num_units(), sms = p.num_sms;
-    if (order == kDescending || sms <= 0 || max_slots <= 0) { return; }
+    if (p.deterministic || sms <= 0 || max_slots <= 0) { return; }  // fixed-order dQ: never split
     const bool longest_first = order == kLongestFirst;
     // The work model assumes full rows; packed documents (segment ids) give
     // key blocks far less work, so their grids of several waves stay whole.
