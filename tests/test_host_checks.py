@@ -58,6 +58,9 @@ def test_tile_orders_are_permutations(tmp_path):
   lines = run.stdout.strip().splitlines()
   assert lines[-1] == "failures=0", "\n".join(l for l in lines if "ok=1 monotone=1" not in l)
   assert run.returncode == 0
+  # The query-block walks of a backward tile: both orders checked.
+  assert sorted(l for l in lines if l.startswith("walk ")) == [
+      "walk descending=0 cases=18 ok=1", "walk descending=1 cases=18 ok=1"]
   plans = [l for l in lines if l.startswith("s=")]
   # All three orders were exercised, and some plans split the end of the grid
   # (never a deterministic one: "ok" above).

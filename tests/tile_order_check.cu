@@ -136,8 +136,36 @@ double simulate(const BwdTileOrder& o, const BwdParams& p, int block_m, int bloc
   return end * sms / total;
 }
 
+// The query blocks of one backward tile (BwdBlockWalk): each (query head,
+// query block) exactly once; descending: blocks from the last, the group's
+// heads in turn within each; ascending: one head after another, each
+// ascending (the deterministic dQ turns). One "walk" line per order.
+template <bool Descending>
+int check_walk() {
+  int bad = 0, cases = 0;
+  for (int group : {1, 2, 8}) for (int lo : {0, 3}) for (int hi : {3, 4, 11}) {
+    std::vector<int> seen(size_t(group) * 11, 0);
+    int prev_g = -1, prev_m = -1, steps = 0;
+    for (jax_fa3::BwdBlockWalk<Descending> w(group, lo, hi); w.valid(); w.next(), ++steps) {
+      if (w.g < 0 || w.g >= group || w.m < lo || w.m >= hi || steps > group * 11) { ++bad; break; }
+      ++seen[size_t(w.g) * 11 + w.m];
+      if (prev_g >= 0) {
+        const bool in_order = Descending ? (w.m == prev_m ? w.g == prev_g + 1 : w.m == prev_m - 1 && w.g == 0)
+                                         : (w.g == prev_g ? w.m == prev_m + 1 : w.g == prev_g + 1 && w.m == lo);
+        bad += !in_order;
+      }
+      prev_g = w.g;
+      prev_m = w.m;
+    }
+    for (int g = 0; g < group; ++g) for (int m = 0; m < 11; ++m) { bad += seen[size_t(g) * 11 + m] != (m >= lo && m < hi); }
+    ++cases;
+  }
+  std::printf("walk descending=%d cases=%d ok=%d\n", int(Descending), cases, int(bad == 0));
+  return bad != 0;
+}
+
 int main() {
-  int failures = check_fwd() + check_fwd_balance();
+  int failures = check_fwd() + check_fwd_balance() + check_walk<true>() + check_walk<false>();
   const int seqs[] = {1, 127, 128, 1000, 4096, 8192, 16384, 40000};
   const int heads[][2] = {{1, 1}, {4, 1}, {4, 4}, {2, 3}};
   for (int s : seqs) {

@@ -108,8 +108,8 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
         const BwdTile tile = params.tiles(bid);
         const auto mask = make_mask(tile);
         if (mask.m_block_max > mask.m_block_min) {
-          BwdProducer<Traits, Params>{params, smem}.run(tile.n_block, tile.kv_head, tile.batch, mask, pipe_kv,
-                                                        state_kv, pipe_qdo, state);
+          BwdProducer<Traits, Params>{params, smem}.template run<!Deterministic>(
+              tile.n_block, tile.kv_head, tile.batch, mask, pipe_kv, state_kv, pipe_qdo, state);
         }
         bid = tile_counter != nullptr ? int(gridDim.x) + atomicAdd(tile_counter, 1) : num_tiles;
       }
@@ -143,11 +143,8 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
           // before this tile's first dQ staging (the staging barriers wait on
           // thread 0); by now they have had the K/V load's latency to finish.
           if (mma_tid == 0) { tma_store_wait<0>(); }
-          const int group = p.n / p.kh;
-          for (int g = 0; g < group; ++g) {
-            mainloop.template run_head<decltype(softcap)::value, Deterministic>(
-                p, smem, mma_tid, mask, n_block, kv_head * group + g, batch, pipe_qdo, state, acc_dk, acc_dv);
-          }
+          mainloop.template run<decltype(softcap)::value, Deterministic>(p, smem, mma_tid, mask, n_block, kv_head,
+                                                                          batch, pipe_qdo, state, acc_dk, acc_dv);
           smem.pipe_kv.empty_barrier_[0].arrive();  // every GEMM reading K and V has retired
           ++kv_tiles;
         }

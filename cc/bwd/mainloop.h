@@ -14,6 +14,7 @@
 #include "../common/bias.h"
 #include "../common/mask.h"
 #include "dq_accum.h"
+#include "tile_scheduler.h"
 #include "../common/barriers.h"
 #include "../common/utils.h"
 
@@ -37,7 +38,7 @@ struct BwdMainloop {
   typename Traits::TiledMmaKV mma_kv;
   typename Traits::TiledMmadV mma_dv;
   typename Traits::TiledMmaQ mma_q;
-  int dq_buf = 0;  // staging buffer of the next dQ reduce (kDqBufs > 1), kept across heads
+  int dq_buf = 0;  // staging buffer of the next dQ reduce (kDqBufs > 1), kept across tiles
 
   // Deterministic dQ: key block j adds to query block m only when the
   // semaphore of m reaches its turn (KeyBlockMask::dq_turn), so the fp32 sum
@@ -53,10 +54,12 @@ struct BwdMainloop {
   // Softcap is a template parameter: the plain path then keeps neither the
   // raw scores nor the tanh-derivative selects live (registers are tight).
   // So is Deterministic (== p.deterministic; a kernel parameter, kernel.h).
+  // One tile: every (query head of kv_head, query block) pair that sees key
+  // block n_block, in BwdBlockWalk's order (the producer's).
   template <bool Softcap, bool Deterministic, class PipelineQdO, class StateQdO, class TK, class TV>
-  CUTE_DEVICE void run_head(const BwdParams& p, typename Traits::SharedStorage& smem, int mma_tid,
-                            const Mask& mask, int n_block, int head, int batch,
-                            PipelineQdO& pipe, StateQdO& state, TK& acc_dk, TV& acc_dv) {
+  CUTE_DEVICE void run(const BwdParams& p, typename Traits::SharedStorage& smem, int mma_tid,
+                       const Mask& mask, int n_block, int kv_head, int batch,
+                       PipelineQdO& pipe, StateQdO& state, TK& acc_dk, TV& acc_dv) {
     using TileSdP = typename Traits::TileSdP;
     using TileQ = typename Traits::TileQ;
     // The GEMMs' shared-memory operands, as tensors over an opaque base that the
@@ -89,11 +92,10 @@ struct BwdMainloop {
     constexpr bool softcap = Softcap;
     const float raw_to_x = softcap ? p.scale / p.softcap : 1.f;
     const float scale_log2 = (softcap ? p.softcap : p.scale) * 1.44269504088896340736f;
-    const int64_t row_base = (int64_t(batch) * p.n + head) * p.t_pad;
-    const int num_m_sem = p.t_pad / kBlockM;
-
-    auto dq_block = [&](int m) { return p.dq_accum + (row_base + m * kBlockM) * kHeadDim; };
-    auto dq_semaphore = [&](int m) { return p.semaphore + (int64_t(batch) * p.n + head) * num_m_sem + m; };
+    const int group = p.n / p.kh;
+    // Query block m of a head as one index: its dQ accumulator block and its
+    // deterministic semaphore (both kBlockM rows per block, t_pad rows per head).
+    auto dq_index = [&](int head, int m) { return (int64_t(batch) * p.n + head) * (p.t_pad / kBlockM) + m; };
     // dQ reduction. stage_dq writes the fp32 block into smem in fragment order
     // (dq_accum.h: the same order as the block in the accumulator; no
     // barrier, the caller has made the buffer free); issue_dq makes every
@@ -108,17 +110,17 @@ struct BwdMainloop {
             make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3));
       }
     };
-    auto issue_dq = [&](int m) {
+    auto issue_dq = [&](int64_t index, int m) {
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQReady);
       if (mma_tid == 0) {
-        int* sem = dq_semaphore(m);
+        int* sem = p.semaphore + index;
         if constexpr (Deterministic) {
           spin_until(sem, mask.dq_turn(n_block, m));
           asm volatile("fence.proxy.async.global;" ::: "memory");  // acquire -> async-proxy adds
         }
         asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                     :: "l"(dq_block(m)), "r"(cute::cast_smem_ptr_to_uint(dq_stage())),
+                     :: "l"(p.dq_accum + index * (kBlockM * kHeadDim)), "r"(cute::cast_smem_ptr_to_uint(dq_stage())),
                         "r"(int(kBlockM * kHeadDim * sizeof(float)))
                      : "memory");
         tma_store_arrive();
@@ -136,9 +138,10 @@ struct BwdMainloop {
     // (Traits::kDeferDqIssue). Its barrier and bulk reduce wait until the next
     // block's S/dP GEMMs are in flight, so they no longer sit between dK and
     // the next block's GEMMs.
-    int dq_pending = -1;
+    int64_t dq_pending = -1;  // its dq_index
 
-    for (int m_block = mask.m_block_min; m_block < mask.m_block_max; ++m_block) {
+    for (BwdBlockWalk<!Deterministic> walk(group, mask.m_block_min, mask.m_block_max); walk.valid(); walk.next()) {
+      const int head = kv_head * group + walk.g, m_block = walk.m;
       if constexpr (Traits::kFreshThreadIndex) { asm volatile("" : "+r"(mma_tid)); }
       auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
       auto thr_kv = mma_kv.get_thread_slice(mma_tid);
@@ -175,7 +178,7 @@ struct BwdMainloop {
       auto bias_to_x = [&] { return 1.f / (softcap ? p.softcap : p.scale); };
       const int m_start = m_block * kBlockM;
       if (dq_pending >= 0) {
-        issue_dq(dq_pending);
+        issue_dq(dq_pending, 0);
         dq_pending = -1;
       }
       const float* lse_s = smem.lse.data() + state.index() * kBlockM;
@@ -200,7 +203,7 @@ struct BwdMainloop {
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
         if (const auto b = bias(); b.active()) { b.add_transposed(tSrS, cS, mask.n_start, m_start, bias_to_x()); }
-        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, PairRuleView::keys(p, batch, head / (p.n / p.kh), head)); }
+        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, PairRuleView::keys(p, batch, kv_head, head)); }
         CUTLASS_PRAGMA_UNROLL
         for (int col = 0; col < size<1>(s); ++col) {
           const float lse2 = lse_s[get<1>(cs(0, col))];  // +inf on rows that see nothing: P = 0
@@ -226,7 +229,7 @@ struct BwdMainloop {
         warpgroup_fence_operand(tSrdP);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * raw_to_x); }
-        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, PairRuleView::keys(p, batch, head / (p.n / p.kh), head)); }
+        if (mask.needs_mask(m_block)) { mask.apply(tSrS, cS, m_block, PairRuleView::keys(p, batch, kv_head, head)); }
         // The bias joins the capped score here (softmax over cap * x + bias),
         // x stays tanh's for its derivative 1 - x^2. Masked entries (x = -inf,
         // P = 0) must stay 0, not NaN.
@@ -267,7 +270,7 @@ struct BwdMainloop {
           }
           stage_dq(acc_dq, chunk);
         }
-        issue_dq(m_block);
+        issue_dq(dq_index(head, m_block), m_block);
       };
       if constexpr (!Traits::kStagePdS) {
         // Stage dS: the other warpgroup's dQ GEMM of the previous block is done
@@ -292,9 +295,9 @@ struct BwdMainloop {
         if (kFreeWithdS) {
           stage_dq(acc_dq, 0);
           if (kDefer) {
-            dq_pending = m_block;
+            dq_pending = dq_index(head, m_block);
           } else {
-            issue_dq(m_block);
+            issue_dq(dq_index(head, m_block), m_block);
           }
         } else {
           reduce_dq();
@@ -328,7 +331,7 @@ struct BwdMainloop {
       // d256) overlaps it; later dQ chunks read only dS and K, not the stage.
       if constexpr (Traits::kStagePdS) { reduce_dq(); }
     }
-    if (dq_pending >= 0) { issue_dq(dq_pending); }
+    if (dq_pending >= 0) { issue_dq(dq_pending, 0); }
   }
 };
 

@@ -5,12 +5,13 @@
 // barrier since every consumer GEMM of a block needs one of them first and
 // both soon after; the block's LSE and delta rows (fp32 scratch written by the
 // preprocess) ride on the same barrier as 1-D bulk copies. With GQA the CTA
-// walks all query heads of its KV head.
+// visits all query heads of its KV head.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include "traits.h"
 #include "../common/mask.h"
+#include "tile_scheduler.h"
 
 namespace jax_fa3 {
 
@@ -24,8 +25,9 @@ struct BwdProducer {
   const KernelParams& params;
   typename Traits::SharedStorage& smem;
 
-  // One tile. The pipeline states carry over from tile to tile.
-  template <class PipelineKV, class PipelineQdO, class StateKV, class StateQdO>
+  // One tile, its query blocks in BwdBlockWalk<Descending>'s order. The
+  // pipeline states carry over from tile to tile.
+  template <bool Descending, class PipelineKV, class PipelineQdO, class StateKV, class StateQdO>
   CUTE_DEVICE void run(int n_block, int kv_head, int batch, const KeyBlockMask<kBlockM, kBlockN>& mask,
                        PipelineKV& pipe_kv, StateKV& state_kv, PipelineQdO& pipe_qdo, StateQdO& state) {
     const BwdParams& p = params.bwd;
@@ -51,26 +53,21 @@ struct BwdProducer {
     ++state_kv;
 
     const int group = p.n / p.kh;
-    for (int g = 0; g < group; ++g) {
-      const int head = kv_head * group + g;
-      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(_, _0{}));  // (BM, D, m_blocks)
-      Tensor gdO = local_tile(mdO(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDimV>>{},
-                              make_coord(_, _0{}));
+    for (BwdBlockWalk<Descending> walk(group, mask.m_block_min, mask.m_block_max); walk.valid(); walk.next()) {
+      const int head = kv_head * group + walk.g, m_block = walk.m;
+      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, _0{}));
       auto [tQgQ, tQsQ] = tma_views(params.tma_q, sQ, gQ);
       auto [tdOgdO, tdOsdO] = tma_views(params.tma_do, sdO, gdO);
-      for (int m_block = mask.m_block_min; m_block < mask.m_block_max; ++m_block) {
-        pipe_qdo.producer_acquire(state);
-        copy(params.tma_q.with(*pipe_qdo.producer_get_barrier(state)), tQgQ(_, m_block), tQsQ(_, state.index()));
-        copy(params.tma_do.with(*pipe_qdo.producer_get_barrier(state)), tdOgdO(_, m_block),
-             tdOsdO(_, state.index()));
-        const int64_t row = (int64_t(batch) * p.n + head) * p.t_pad + m_block * kBlockM;
-        SM90_BULK_COPY_G2S::copy(p.lse_log2 + row, pipe_qdo.producer_get_barrier(state),
-                                 smem.lse.data() + state.index() * kBlockM, Traits::kBytesRowStats);
-        SM90_BULK_COPY_G2S::copy(p.delta + row, pipe_qdo.producer_get_barrier(state),
-                                 smem.delta.data() + state.index() * kBlockM, Traits::kBytesRowStats);
-        ++state;
-      }
+      pipe_qdo.producer_acquire(state);
+      copy(params.tma_q.with(*pipe_qdo.producer_get_barrier(state)), tQgQ, tQsQ(_, state.index()));
+      copy(params.tma_do.with(*pipe_qdo.producer_get_barrier(state)), tdOgdO, tdOsdO(_, state.index()));
+      const int64_t row = (int64_t(batch) * p.n + head) * p.t_pad + m_block * kBlockM;
+      SM90_BULK_COPY_G2S::copy(p.lse_log2 + row, pipe_qdo.producer_get_barrier(state),
+                               smem.lse.data() + state.index() * kBlockM, Traits::kBytesRowStats);
+      SM90_BULK_COPY_G2S::copy(p.delta + row, pipe_qdo.producer_get_barrier(state),
+                               smem.delta.data() + state.index() * kBlockM, Traits::kBytesRowStats);
+      ++state;
     }
   }
 };

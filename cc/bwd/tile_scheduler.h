@@ -30,6 +30,32 @@
 
 namespace jax_fa3 {
 
+// The (query head, query block) pairs of one tile (a key block of one KV
+// head, or a share of it: the query blocks [m_min, m_max) of each of the
+// group's query heads), in the order the producer loads them and the
+// consumers compute them. Descending (every launch but a deterministic one):
+// query blocks from the last, each block's query heads in turn. The CTAs of a
+// KV head that start together then read the same Q/dO block and add into the
+// same dQ block at about the same time, while it is in L2; walked head by head
+// from each key block's diagonal up, they touched the whole group's Q, dO and
+// dQ at once, and the backward waited on DRAM (benchmarks/RESULTS.md). The
+// deterministic walk stays head by head, ascending: dq_turn's order.
+template <bool Descending>
+struct BwdBlockWalk {
+  int g, m;  // query head in the group, query block
+  int group, m_min, m_max;
+  CUTE_HOST_DEVICE BwdBlockWalk(int group_, int m_min_, int m_max_)
+      : g(0), m(Descending ? m_max_ - 1 : m_min_), group(group_), m_min(m_min_), m_max(m_max_) {}
+  CUTE_HOST_DEVICE bool valid() const { return Descending ? m >= m_min : g < group && m < m_max; }
+  CUTE_HOST_DEVICE void next() {
+    if constexpr (Descending) {
+      if (++g == group) { g = 0; --m; }
+    } else {
+      if (++m == m_max) { m = m_min; ++g; }
+    }
+  }
+};
+
 struct BwdTile {
   int n_block, kv_head, batch;
   int piece = 0, pieces = 1, slot = -1;  // split key blocks: share, share count, scratch slot

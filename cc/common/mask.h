@@ -295,7 +295,7 @@ struct QueryBlockMask {
 };
 
 // Backward view: the query blocks that see key block n_block, [m_block_min,
-// m_block_max), visited ascending.
+// m_block_max) (bwd/tile_scheduler.h, BwdBlockWalk: the order they are visited).
 template <int kBlockM, int kBlockN>
 struct KeyBlockMask {
   MaskRule rule;
