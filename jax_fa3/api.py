@@ -377,7 +377,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None,
 def ring_attention(query, key, value, *, axis_name, is_causal=False,
                    layout="contiguous", scale=None, softcap=None,
                    query_seq_lengths=None, key_value_seq_lengths=None,
-                   implementation=None, return_lse=False, sinks=None):
+                   implementation=None, return_lse=False, sinks=None,
+                   q_segment_ids=None, kv_segment_ids=None):
   """Ring attention for use inside ``shard_map`` (sequence split over ``axis_name``).
 
   Run the ``shard_map`` under ``jax.jit``: differentiating an eager
@@ -403,6 +404,12 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
     sinks: as in :func:`jax_fa3.attention` (replicated on the ring): the
       sink joins each row's softmax once, after the ring's merge (a row
       that sees no key then has the sink as its lse).
+    q_segment_ids, kv_segment_ids: packed sequences, as in
+      :func:`jax_fa3.attention`, but the LOCAL shards ``int32 [B, T/P]`` and
+      ``[B, S/P]`` in the layout of query and of key/value (zigzag: permute
+      them with :func:`to_zigzag` too); ``kv_segment_ids`` defaults to
+      ``q_segment_ids`` when the shards are equally long.  The key side
+      travels around the ring with K/V.
 
   Local windows are not supported (there is no window argument).
   """
@@ -427,6 +434,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
   q_lens = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
   kv_lens = V.check_seq_lengths(key_value_seq_lengths,
                                 "key_value_seq_lengths", B)
+  segment_ids = V.check_segment_ids(q_segment_ids, kv_segment_ids, B, T, S)
   try:
     n_dev = ring.axis_size(axis_name)
   except (NameError, KeyError, ValueError) as e:
@@ -447,5 +455,6 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False,
       ring=core.RingConfig(axis_name, n_dev, layout, is_causal),
       block_k=_BLOCK_K)
   out, lse = core.attention(q, k, v, q_lens, kv_lens, None, None, cfg,
+                            segment_ids=segment_ids,
                             sinks=V.check_sinks(sinks, N))
   return (out, lse) if return_lse else out

@@ -74,9 +74,9 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
 
   ``segment_ids``: None or ``(q_ids int32 [B,T], kv_ids int32 [B,S])``
   (packed sequences: query ``i`` sees key ``j`` only where the ids are
-  equal); not with ring attention.  The kernels get them, or a ``mask``,
-  as the pair-rule operands of :mod:`jax_fa3.pair_rule` (with their spans),
-  computed once here and kept for the backward.
+  equal).  The kernels get them, or a ``mask``, as the pair-rule operands
+  of :mod:`jax_fa3.pair_rule` (with their spans), computed once here and
+  kept for the backward; a ring hands each step the ids of its pieces.
   ``lse`` is differentiable too (higher-order derivatives need it); ``bias``
   gets a gradient, the lengths, ``mask`` and segment ids do not."""
   B, T = q.shape[:2]
@@ -93,9 +93,8 @@ def attention(q, k, v, q_lens, kv_lens, bias, mask, cfg: Config, *,
     sinks = jnp.maximum(sinks, NO_SINK)
   pairs = segment_ids
   if segment_ids is not None:
-    if cfg.ring is not None:
-      raise ValueError("segment ids are not supported by ring attention")
-    if cfg.kernel or (cfg.fp8 is not None and cfg.fp8.kernel):
+    if cfg.ring is None and (cfg.kernel or
+                             (cfg.fp8 is not None and cfg.fp8.kernel)):
       pairs = sharding.pairs_from_segment_ids(*segment_ids)
   elif mask is not None and cfg.kernel and cfg.fp8 is None:
     if cfg.ring is not None:
@@ -131,14 +130,23 @@ _NO_SECOND_ORDER = ("derivatives of second and higher order run on "
 
 
 def _local_fns(cfg):
-  """The (fwd, bwd) each ring step calls."""
+  """The (fwd, bwd) each ring step calls, with the segment ids of its
+  pieces (None, or ``(q_ids, kv_ids)``) after the lengths."""
   if cfg.kernel:
     def bwd(*args, **attrs):
       return no_derivative(partial(primitives.fa3_bwd, **attrs,
                                    deterministic=cfg.deterministic),
                            _NO_SECOND_ORDER)(*args)
-    return primitives.fa3_fwd, bwd
-  return reference.attention_fwd, reference.attention_bwd
+    return ring.kernel_steps(primitives.fa3_fwd, bwd)
+
+  def ref_fwd(*args, **attrs):
+    *arrays, ids = args
+    return reference.attention_fwd(*arrays, **_seg_kwargs(ids), **attrs)
+
+  def ref_bwd(*args, **attrs):
+    *arrays, ids = args
+    return reference.attention_bwd(*arrays, **_seg_kwargs(ids), **attrs)
+  return ref_fwd, ref_bwd
 
 
 def _ring_args(cfg):
@@ -162,7 +170,8 @@ def _forward16(q, k, v, q_lens, kv_lens, bias, mask, pairs, sinks, cfg):
                      f"{cfg.kernel_error}")
   if cfg.ring is not None:
     return reference.fold_sinks(
-        *ring.ring_fwd(q, k, v, q_lens, kv_lens, *_ring_args(cfg)), sinks)
+        *ring.ring_fwd(q, k, v, q_lens, kv_lens, *_ring_args(cfg),
+                       segment_ids=pairs), sinks)
   if cfg.kernel:
     # The primitives' abstract eval drops shard_map's varying-axes type;
     # restore it so check_vma=True accepts results and cotangent types.
@@ -269,7 +278,7 @@ def _grads(cfg, q, k, v, out, lse, dout, q_lens, kv_lens, bias, mask, pairs,
   ``bias_grad``), on the path ``cfg`` names."""
   if cfg.ring is not None:
     return (*ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
-                           *_ring_args(cfg)), None)
+                           *_ring_args(cfg), segment_ids=pairs), None)
   if cfg.kernel:
     kernels = partial(sharding.fa3_bwd, deterministic=cfg.deterministic,
                   dbias_dtype=_dbias_dtype(bias, q, k) if bias_grad else None,

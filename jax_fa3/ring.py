@@ -24,7 +24,11 @@ Layouts (``layout=``):
 
 Sequence lengths are global (``int32[B]``, replicated over ``axis_name``): in
 both layouts the valid positions of any local piece form a prefix of it, so
-they map onto the kernel's per-batch lengths.
+they map onto the kernel's per-batch lengths.  Segment ids (packed
+sequences) are local shards in the layout of q and of k/v: the key side's
+travel with K/V, and each step hands the local call the ids of exactly the
+rows and keys it attends (its pair-rule spans computed there, from the
+pieces).
 
 The backward rotates K/V together with the dK/dV accumulators (fp32),
 calling the local backward per step with the GLOBAL ``out`` and ``lse``;
@@ -40,10 +44,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_fa3 import _validate as V, reference
+from jax_fa3 import _validate as V, pair_rule, reference
 
-__all__ = ["ring_fwd", "ring_bwd", "to_zigzag", "from_zigzag", "axis_size",
-           "LAYOUTS"]
+__all__ = ["ring_fwd", "ring_bwd", "kernel_steps", "to_zigzag", "from_zigzag",
+           "axis_size", "LAYOUTS"]
 
 LAYOUTS = ("contiguous", "zigzag")
 _F32 = jnp.float32
@@ -123,6 +127,15 @@ class _Plan:
     return lax.ppermute(x, self.axis, perm)
 
 
+def kernel_steps(fwd, bwd):
+  """A ring's local ``(fwd, bwd)`` from kernel calls that take the pair-rule
+  operands after the lengths: a step's segment ids become those operands,
+  their spans computed from the step's pieces."""
+  ops = lambda ids: None if ids is None else pair_rule.from_segment_ids(*ids)
+  return (lambda *a, **kw: fwd(*a[:-1], ops(a[-1]), **kw),
+          lambda *a, **kw: bwd(*a[:-1], ops(a[-1]), **kw))
+
+
 def _steps(plan, s):
   """The case of step ``s``: ``(kind, None)`` when static, else
   ``("cond", (pred, kind_if_true, kind_if_false))``.
@@ -142,7 +155,12 @@ def _steps(plan, s):
   return ("cond", (j < i, "kv_first", "q_second"))
 
 
-def _fwd_case(kind, plan, fwd, q, k, v, q_lens, kv_lens, j, attrs):
+def _ids(ids, q_rows=slice(None), kv_rows=slice(None)):
+  """The segment ids of a step's rows and keys (None: no segment ids)."""
+  return None if ids is None else (ids[0][:, q_rows], ids[1][:, kv_rows])
+
+
+def _fwd_case(kind, plan, fwd, q, k, v, q_lens, kv_lens, ids, j, attrs):
   B, T, N, H = q.shape
   i, cq, ck = plan.idx, plan.cq, plan.ck
   full_q = plan.lens(q_lens, i, cq)
@@ -152,15 +170,17 @@ def _fwd_case(kind, plan, fwd, q, k, v, q_lens, kv_lens, j, attrs):
             jnp.full((B, N, T), jnp.inf, _F32))
   if kind in ("full", "diag"):
     wr = 0 if kind == "diag" else -1
-    return fwd(q, k, v, full_q, full_k, **attrs, window_left=-1,
+    return fwd(q, k, v, full_q, full_k, ids, **attrs, window_left=-1,
                window_right=wr)
   if kind == "kv_first":
     return fwd(q, k[:, :ck], v[:, :ck], full_q,
-               plan.lens(kv_lens, j, ck, which=0), **attrs, window_left=-1,
+               plan.lens(kv_lens, j, ck, which=0),
+               _ids(ids, kv_rows=slice(None, ck)), **attrs, window_left=-1,
                window_right=-1)
   # q_second: rows of the later chunk see every visiting key.
   o, l = fwd(q[:, cq:], k, v, plan.lens(q_lens, i, cq, which=1), full_k,
-             **attrs, window_left=-1, window_right=-1)
+             _ids(ids, q_rows=slice(cq, None)), **attrs, window_left=-1,
+             window_right=-1)
   o = jnp.concatenate([jnp.zeros_like(o), o], axis=1)
   l = jnp.concatenate([jnp.full_like(l, jnp.inf), l], axis=2)
   return o, l
@@ -189,7 +209,11 @@ def _merge(o, l, o_s, l_s):
 
 
 def ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
-              attrs, fns):
+              attrs, fns, segment_ids=None):
+  """``fns``: the local ``(fwd, bwd)``, called as ``fwd(q, k, v, q_lens,
+  kv_lens, ids, **attrs)`` with ``ids`` None or ``(q_ids, kv_ids)`` of the
+  step's pieces; ``segment_ids``: None or the local ``(q_ids [B, T],
+  kv_ids [B, S])``."""
   fwd = fns[0]
   plan = _Plan(axis_name, n_dev, layout, causal, q.shape[1], k.shape[1])
   B, T, N, H = q.shape
@@ -197,24 +221,25 @@ def ring_fwd(q, k, v, q_lens, kv_lens, axis_name, n_dev, layout, causal,
   o, l = reference.varying_like(
       (jnp.zeros(q.shape[:3] + v.shape[-1:], _F32),
        jnp.full((B, N, T), -jnp.inf, _F32)), *refs)
-  kc, vc = k, v
+  kv = (k, v) if segment_ids is None else (k, v, segment_ids[1])
   for s in range(n_dev):
     if s + 1 < n_dev:  # issue the next transfer before this step's kernel
-      kn, vn = plan.rotate(kc), plan.rotate(vc)
+      kv_next = tuple(plan.rotate(x) for x in kv)
     j = plan.src(s)
+    ids = None if segment_ids is None else (segment_ids[0], kv[2])
     o_s, l_s = _run_case(
         _steps(plan, s),
-        lambda kind: _fwd_case(kind, plan, fwd, q, kc, vc, q_lens, kv_lens, j,
-                               attrs), refs)
+        lambda kind: _fwd_case(kind, plan, fwd, q, kv[0], kv[1], q_lens,
+                               kv_lens, ids, j, attrs), refs)
     o, l = _merge(o, l, o_s, l_s)
     if s + 1 < n_dev:
-      kc, vc = kn, vn
+      kv = kv_next
   lse = jnp.where(jnp.isfinite(l), l, jnp.inf)
   return o.astype(q.dtype), lse
 
 
-def _bwd_case(kind, plan, bwd, q, k, v, out, lse, dout, q_lens, kv_lens, j,
-              attrs):
+def _bwd_case(kind, plan, bwd, q, k, v, out, lse, dout, q_lens, kv_lens, ids,
+              j, attrs):
   i, cq, ck = plan.idx, plan.cq, plan.ck
   full_q = plan.lens(q_lens, i, cq)
   full_k = plan.lens(kv_lens, j, ck)
@@ -224,22 +249,27 @@ def _bwd_case(kind, plan, bwd, q, k, v, out, lse, dout, q_lens, kv_lens, j,
             jnp.zeros(v.shape, _F32))
   if kind in ("full", "diag"):
     wr = 0 if kind == "diag" else -1
-    return f32(*bwd(q, k, v, out, lse, dout, full_q, full_k, **attrs,
+    return f32(*bwd(q, k, v, out, lse, dout, full_q, full_k, ids, **attrs,
                     window_left=-1, window_right=wr))
   if kind == "kv_first":
     dq, dk, dv = f32(*bwd(q, k[:, :ck], v[:, :ck], out, lse, dout, full_q,
-                          plan.lens(kv_lens, j, ck, which=0), **attrs,
+                          plan.lens(kv_lens, j, ck, which=0),
+                          _ids(ids, kv_rows=slice(None, ck)), **attrs,
                           window_left=-1, window_right=-1))
     pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
     return dq, pad(dk), pad(dv)
   dq, dk, dv = f32(*bwd(q[:, cq:], k, v, out[:, cq:], lse[..., cq:],
                         dout[:, cq:], plan.lens(q_lens, i, cq, which=1),
-                        full_k, **attrs, window_left=-1, window_right=-1))
+                        full_k, _ids(ids, q_rows=slice(cq, None)), **attrs,
+                        window_left=-1, window_right=-1))
   return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
 
 def ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
-              layout, causal, attrs, fns):
+              layout, causal, attrs, fns, segment_ids=None):
+  """``fns`` and ``segment_ids`` as in :func:`ring_fwd`; the local backward
+  is called as ``bwd(q, k, v, out, lse, dout, q_lens, kv_lens, ids,
+  **attrs)``."""
   bwd = fns[1]
   plan = _Plan(axis_name, n_dev, layout, causal, q.shape[1], k.shape[1])
   dout = dout.astype(out.dtype)
@@ -247,21 +277,22 @@ def ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens, axis_name, n_dev,
   dq, dk, dv = reference.varying_like(
       (jnp.zeros(q.shape, _F32), jnp.zeros(k.shape, _F32),
        jnp.zeros(v.shape, _F32)), *refs)
-  kc, vc = k, v
+  kv = (k, v) if segment_ids is None else (k, v, segment_ids[1])
   for s in range(n_dev):
     if s + 1 < n_dev:
-      kn, vn = plan.rotate(kc), plan.rotate(vc)
+      kv_next = tuple(plan.rotate(x) for x in kv)
     j = plan.src(s)
+    ids = None if segment_ids is None else (segment_ids[0], kv[2])
     dq_s, dk_s, dv_s = _run_case(
         _steps(plan, s),
-        lambda kind: _bwd_case(kind, plan, bwd, q, kc, vc, out, lse, dout,
-                               q_lens, kv_lens, j, attrs), refs)
+        lambda kind: _bwd_case(kind, plan, bwd, q, kv[0], kv[1], out, lse,
+                               dout, q_lens, kv_lens, ids, j, attrs), refs)
     dq = dq + dq_s
     # The accumulators travel with the K/V block they belong to; after the
     # P-th rotation each one is back on its owner.
     dk, dv = plan.rotate(dk + dk_s), plan.rotate(dv + dv_s)
     if s + 1 < n_dev:
-      kc, vc = kn, vn
+      kv = kv_next
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -24,9 +24,11 @@ What is served locally:
   one mesh axis, or several listed in mesh order) and the mask is
   position-free or causal (no local window), ring attention runs inside the
   partition (:mod:`jax_fa3.ring`, contiguous layout: K/V rotate with
-  ``ppermute``); otherwise, and always for FP8 (its scales are per block of
-  the whole sequence), with a pair rule (its spans index the whole
-  sequence) and with a bias, the sequence is replicated (gathered);
+  ``ppermute``; segment ids are sharded with their sequence, the key side's
+  rotating with K/V, and each step computes the spans of its pieces);
+  otherwise, and always for FP8 (its scales are per block of the whole
+  sequence), with a mask (its bits and spans index the whole sequence) and
+  with a bias, the sequence is replicated (gathered);
 * a bias ``[B|1, N|1, T, S]`` follows the batch and heads it has; its
   gradient is per batch row and head, sharded like q;
 * head_dim: always replicated;
@@ -235,11 +237,13 @@ class Plan:
 
   def pairs(self, arg_shapes, first):
     """Shardings of the pair-rule operands arg_shapes[first:first + 4]:
-    segment ids follow the batch; a mask the batch and heads it has."""
+    segment ids follow the batch and a ringed sequence (their spans, unused
+    by a ring, stay whole); a mask the batch and heads it has."""
     a = arg_shapes[first]
     b = _entry(self.b)
     if len(a.shape) == 2:
-      ids, spans = self.ns(b, None), self.ns(b, None, None)
+      seq = _entry(self.t) if a.shape[1] else None  # absent: [B, 0]
+      ids, spans = self.ns(b, seq), self.ns(b, None, None)
       return (ids, ids, spans, spans)
     B, N, K = arg_shapes[0].shape[0], arg_shapes[0].shape[2], arg_shapes[1].shape[2]
     mb = b if a.shape[0] == B else None
@@ -285,21 +289,28 @@ def _plan(arg_shapes, mesh, window_left=-1, window_right=-1, ring=True):
 
 
 def _may_ring(arg_shapes, first_seg):
-  """A sharded sequence rings only without a pair rule or bias (the
-  operand after the pair rule's four)."""
-  return not (pair_rule.present(arg_shapes[first_seg:first_seg + 4])
+  """A sharded sequence rings only without a mask or bias (the operand
+  after the pair rule's four); segment ids ring with their pieces."""
+  return not (pair_rule.is_mask(arg_shapes[first_seg:first_seg + 4])
               or primitives.has_bias(arg_shapes[first_seg + 4]))
+
+
+def _ring_ids(pairs):
+  """A ring's segment ids ``(q_ids, kv_ids)`` from the pair-rule operands
+  (their spans, of the whole sequence, go unused), or None."""
+  return tuple(pairs[:2]) if pair_rule.present(pairs) else None
 
 
 # ------------------------------------------------------------ 16-bit calls
 def _fwd_local(plan, scale, softcap, window_left, window_right):
   def lower(q, k, v, q_lens, kv_lens, *pairs_bias_sinks):
     *pairs, bias, sinks = pairs_bias_sinks
-    if plan.p > 1:  # no pair rule or bias (_may_ring); the sinks join once, after the ring
+    if plan.p > 1:  # no mask or bias (_may_ring); the sinks join once, after the ring
       return reference.fold_sinks(*ring.ring_fwd(
           q, k, v, q_lens, kv_lens, plan.axis, plan.p, "contiguous",
           window_right == 0, dict(scale=scale, softcap=softcap),
-          (primitives.fa3_fwd, primitives.fa3_bwd)), sinks)
+          ring.kernel_steps(primitives.fa3_fwd, primitives.fa3_bwd),
+          segment_ids=_ring_ids(pairs)), sinks)
     return primitives.fa3_fwd(q, k, v, q_lens, kv_lens, pairs, scale=scale,
                               softcap=softcap, window_left=window_left,
                               window_right=window_right, sinks=sinks,
@@ -313,11 +324,12 @@ def _bwd_local(plan, scale, softcap, window_left, window_right,
 
   def lower(q, k, v, out, lse, dout, q_lens, kv_lens, *pairs_bias):
     *pairs, bias = pairs_bias
-    if plan.p > 1:  # no pair rule or bias (_may_ring)
+    if plan.p > 1:  # no mask or bias (_may_ring)
       return ring.ring_bwd(q, k, v, out, lse, dout, q_lens, kv_lens,
                            plan.axis, plan.p, "contiguous", window_right == 0,
                            dict(scale=scale, softcap=softcap),
-                           (primitives.fa3_fwd, bwd)) + (bias,)  # bias: empty
+                           ring.kernel_steps(primitives.fa3_fwd, bwd),
+                           segment_ids=_ring_ids(pairs)) + (bias,)  # bias: empty
     return bwd(q, k, v, out, lse, dout, q_lens, kv_lens, pairs, scale=scale,
                softcap=softcap, window_left=window_left,
                window_right=window_right, bias=bias, dbias_dtype=dbias_dtype)

@@ -49,6 +49,22 @@ def rand(seed, B=2, T=37, S=53, N=2, K=2, H=8, dtype=jnp.float32):
   return q, k, v, w
 
 
+def packed_ids(rng, B, L, n_docs, offset=0):
+  """int32 [B, L]: n_docs contiguous documents of random lengths (>= 1) per
+  row, one of them of length 1 when n_docs > 1; ``rng`` a seed or a
+  ``np.random.Generator``."""
+  rng = np.random.default_rng(rng)
+  ids = np.zeros((B, L), np.int32)
+  for b in range(B):
+    cuts = {1} if n_docs > 1 else set()  # document 0 has length 1
+    if n_docs > 2:
+      cuts |= set(rng.choice(np.arange(2, L), n_docs - 2,
+                             replace=False).tolist())
+    for c in sorted(cuts):
+      ids[b, c:] += 1
+  return ids + offset
+
+
 def to_device(*xs):
   """Host arrays -> jax arrays on the default device."""
   return tuple(jnp.asarray(x) for x in xs)

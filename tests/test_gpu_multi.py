@@ -16,7 +16,8 @@ and the compiled program must show that the layout was served as intended
 (a ring is a collective-permute; batch/head shards need no all-gather).  A
 sharded Flax train step (``demo.make_train_step`` over a data x context mesh)
 must give the single-GPU losses and gradients within bf16 noise.  Packed
-sequences (segment ids) and attention sinks over batch or head shards, and
+sequences (segment ids) over batch or head shards and around the ring,
+attention sinks over batch or head shards, and
 ``precision="fp8"`` (no gather of q, k, v), must give GPU 0's results.  KV-cache
 decode (``attention_with_kvcache``, batch- or head-sharded, contiguous or
 paged) must give GPU 0's output and caches without gathering the cache.
@@ -42,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from fa3_testing import kernel_configs  # noqa: E402
+from fa3_testing import kernel_configs, packed_ids  # noqa: E402
 from host_reference import (assert_fa3_tolerance, fa3_bound,  # noqa: E402
                             max_abs_diff)
 import jax_fa3  # noqa: E402
@@ -261,10 +262,11 @@ def test_sharded_matches_single_gpu_and_fp32(case):
 
 # ------------------------------------------- packed sequences and sinks
 # (id, feature, layout): the ids shard with the batch rows, the sinks with the
-# query heads; a batch or head shard gathers nothing.
+# query heads; a batch or head shard gathers nothing, a sequence shard rings.
 NEW_ARG_CASES = [
     ("segment-ids-batch", "segment_ids", "batch"),
     ("segment-ids-heads", "segment_ids", "heads"),
+    ("segment-ids-seq", "segment_ids", "seq"),  # the partitioned call rings
     ("sinks-batch", "sinks", "batch"),
     ("sinks-heads", "sinks", "heads"),
 ]
@@ -272,7 +274,7 @@ NEW_ARG_CASES = [
 
 @pytest.mark.parametrize("case", NEW_ARG_CASES, ids=[c[0] for c in NEW_ARG_CASES])
 def test_sharded_segment_ids_and_sinks_match_single_gpu(case):
-  from test_segment_ids import dense_mask, packed_ids
+  from test_segment_ids import dense_mask
   from test_sinks import sink_reference
   label, feature, layout = case
   _need_kernel(128)
@@ -312,7 +314,7 @@ def test_sharded_segment_ids_and_sinks_match_single_gpu(case):
   base = _host(jax.jit(fwd_bwd(same))(q, k, v, w, ids, sinks))
   single = _host(jax.jit(fwd_bwd(fa3))(q, k, v, w, ids, sinks))
 
-  mesh, spec, _, _, banned = _layout(layout, True)
+  mesh, spec, _, want, banned = _layout(layout, True)
   heads_axis = spec[2] if len(spec) > 2 else None
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
   args = (put(q, spec), put(k, spec), put(v, spec), put(w, spec),
@@ -322,10 +324,66 @@ def test_sharded_segment_ids_and_sinks_match_single_gpu(case):
   # out, dq, dk, dv as in _run_case; dsinks (a sum over every row) against
   # GPU 0 relative to its size.
   _assert_sharded(label, got[:4], base[:4], ref[:4], single[:4],
-                  compiled.as_text(), None, banned)
+                  compiled.as_text(), want, banned)
   if sinks_on:
     scale = float(np.max(np.abs(single[4])))
     assert max_abs_diff(got[4], single[4]) <= 1e-2 * scale + 1e-3, "dsinks"
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True),
+                                           ("contiguous", False)])
+def test_ring_segment_ids_match_single_gpu(layout, causal):
+  # Packed rows around the ring: each GPU holds its shard of the ids; the
+  # key side's travel with K/V.
+  from test_segment_ids import dense_mask
+  if len(DEVS) < 2:
+    pytest.skip("needs >= 2 GPUs")
+  _need_kernel(128)
+  B, T = _batch(), _seq(T_BASE)
+  q, k, v, w, _, _ = _inputs(B, T, T, 128, False, seed=6)
+  host_ids = packed_ids(6, B, T, 7)
+  with jax.default_device(DEVS[0]):
+    ids = jnp.asarray(host_ids)
+    mask = jnp.asarray(dense_mask(host_ids, host_ids, causal=causal)[:, None])
+
+  def fwd_bwd(attn):
+    def f(q, k, v, w, ids):
+      out, pull = jax.vjp(lambda q, k, v: attn(q, k, v, ids), q, k, v)
+      return (out,) + tuple(pull(w.astype(out.dtype)))
+    return f
+
+  def fa3(q, k, v, ids):
+    return jax_fa3.attention(q, k, v, is_causal=causal, q_segment_ids=ids,
+                             implementation=IMPL)
+
+  def xla(q, k, v, ids):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                        implementation="xla")
+
+  n = len(DEVS)
+  mesh, spec = _mesh((n,), ("sp",)), P(None, "sp")
+  zz = layout == "zigzag"
+
+  def ringed(q, k, v, ids):
+    if zz:
+      q, k, v, ids = (ring.to_zigzag(x, n) for x in (q, k, v, ids))
+    local = lambda q, k, v, ids: jax_fa3.ring_attention(
+        q, k, v, axis_name="sp", is_causal=causal, layout=layout,
+        q_segment_ids=ids, implementation=IMPL)
+    o = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4,
+                      out_specs=spec)(q, k, v, ids)
+    return ring.from_zigzag(o, n) if zz else o
+
+  f32 = lambda x: x.astype(jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    ref = _host(jax.jit(fwd_bwd(xla))(f32(q), f32(k), f32(v), w, ids))
+  base = _host(jax.jit(fwd_bwd(xla))(q, k, v, w, ids))
+  single = _host(jax.jit(fwd_bwd(fa3))(q, k, v, w, ids))
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  args = tuple(put(x) for x in (q, k, v, w, ids))
+  compiled = jax.jit(fwd_bwd(ringed)).lower(*args).compile()
+  _assert_sharded(f"ring-{layout}-segment-ids", _host(compiled(*args)), base,
+                  ref, single, compiled.as_text(), "collective-permute", ())
 
 
 # ------------------------------------------------------------------- FP8
@@ -341,7 +399,7 @@ def test_sharded_fp8_matches_single_gpu(layout):
   f = jax.jit(lambda q, k, v: jax_fa3.attention(
       q, k, v, is_causal=True, precision="fp8", implementation=IMPL))
   single = np.asarray(f(q, k, v), np.float32)
-  mesh, spec, _, _, banned = _layout(layout, True)
+  mesh, spec, _, want, banned = _layout(layout, True)
   xs = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
   compiled = f.lower(*xs).compile()
   got = np.asarray(compiled(*xs), np.float32)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 import jax_fa3
 from jax_fa3 import fp8, primitives
-from fa3_testing import cid, kernel_configs, seq_lens, to_device
+from fa3_testing import cid, kernel_configs, packed_ids, seq_lens, to_device
 from host_reference import (FWD_FACTOR, GRAD_FACTOR, assert_fa3_rule,
                             attention_grad_refs, attention_refs, make_inputs,
                             np_dtype, rmse, roundoff, seed_of)
@@ -29,20 +29,6 @@ GRAD_ATOL = {"bfloat16": 2e-3, "float16": 1e-3}
 FWD_CONFIGS = kernel_configs("fwd")
 BWD_CONFIGS = kernel_configs("bwd")
 PRIMARY = [c for c in BWD_CONFIGS if c == ("bfloat16", 128)] or BWD_CONFIGS[:1]
-
-
-def packed_ids(seed, B, L, n_docs):
-  """int32 [B, L]: n_docs contiguous documents of random lengths per row,
-  one of them of length 1 when n_docs > 1."""
-  rng = np.random.default_rng(seed)
-  ids = np.zeros((B, L), np.int32)
-  for b in range(B):
-    cuts = {1} if n_docs > 1 else set()
-    if n_docs > 2:
-      cuts |= set(rng.choice(np.arange(2, L), n_docs - 2, replace=False).tolist())
-    for c in sorted(cuts):
-      ids[b, c:] += 1
-  return ids
 
 
 def _run(q, k, v, do, q_ids, kv_ids, grads, **kw):

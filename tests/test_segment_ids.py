@@ -8,24 +8,10 @@ import jax.numpy as jnp
 import jax_fa3
 from jax_fa3 import _validate as V, fp8, reference as R, pair_rule
 
-from fa3_testing import (close, close_trees, out_and_grads, partitioner,
-                          rand, row_spans_bruteforce)
+from fa3_testing import (close, close_trees, out_and_grads, packed_ids,
+                          partitioner, rand, row_spans_bruteforce)
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
-
-
-def packed_ids(rng, B, L, n_docs, offset=0):
-  """int32 [B, L]: n_docs documents of random lengths (>= 1) per row, one of
-  them of length 1 when n_docs > 1."""
-  ids = np.zeros((B, L), np.int32)
-  for b in range(B):
-    cuts = set(rng.choice(np.arange(2, L), n_docs - 2, replace=False)
-               ) if n_docs > 2 else set()
-    if n_docs > 1:
-      cuts.add(1)  # document 0 has length 1
-    for c in sorted(cuts):
-      ids[b, c:] += 1
-  return ids + offset
 
 
 def dense_mask(q_ids, kv_ids, causal=False, window=None, ql=None, kl=None):
@@ -384,8 +370,9 @@ def test_primitive_path_on_cpu(monkeypatch, causal):
 @pytest.mark.parametrize("part", ["shardy", "gspmd"])
 def test_ids_sharded_in_small_sequence_shards(monkeypatch, part):
   # Ids sharded along the sequence in shards shorter than a span granule
-  # (8 of 32 positions per device): spans are computed whole per batch shard
-  # (Shardy would otherwise hand the kernels granules split in pieces).
+  # (8 of 32 positions per device): the pre-pass computes spans whole per
+  # batch shard (Shardy would otherwise hand the kernels granules split in
+  # pieces); a sequence-sharded call rings, each step with its pieces' spans.
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from jax_fa3 import api
   cpus = jax.devices("cpu")
@@ -413,8 +400,9 @@ def test_sharded_with_gradients(monkeypatch, path, layout):
   # Under jit over a mesh, forward and gradients equal the unsharded call:
   # the ids shard with their rows. Batch x heads (GQA: each shard keeps whole
   # query-head groups): the kernels' partition keeps q, k and v where they
-  # are (no all-gather in the compiled program). Batch x sequence: it gathers
-  # the sequence (the spans index all of it) instead of ringing.
+  # are (no all-gather in the compiled program). Batch x sequence: the
+  # kernels ring over the sequence (K/V and the key side's ids rotate); only
+  # the int32 ids are gathered, for the spans pre-pass.
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from jax_fa3 import api
   cpus = jax.devices("cpu")
@@ -440,5 +428,11 @@ def test_sharded_with_gradients(monkeypatch, path, layout):
   close(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
         atol=tol)
   close_trees(got_g, want_g, rtol=grad_tol, atol=grad_tol)
-  if path == "kernel" and layout == "batch_gqa_heads":
-    assert "all-gather" not in f.lower(*args).compile().as_text()
+  if path == "kernel":
+    hlo = f.lower(*args).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if "all-gather(" in line]
+    if layout == "batch_gqa_heads":
+      assert not gathers
+    else:
+      assert "collective-permute" in hlo
+      assert gathers and all(" s32[" in g for g in gathers), gathers

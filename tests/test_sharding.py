@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fa3_testing import close, partitioner  # noqa: F401
+from fa3_testing import close, packed_ids, partitioner  # noqa: F401
 from host_reference import assert_fa3_tolerance
 import jax_fa3
 from jax_fa3 import _native, core, primitives, ring, sharding
@@ -333,34 +333,46 @@ def test_bias_gradient_in_shard_map(kernel, bias_spec):
 
 # ------------------------------------------------------------ ring attention
 def _ring_vs_full(layout, causal, n_dev=4, K=2, S=T, dtype=jnp.float32,
-                  lens=True, seed=5):
+                  lens=True, seed=5, docs=None):
+  """Outputs and gradients of jax_fa3.attention on the whole sequence and of
+  ring_attention over ``n_dev`` devices; ``docs``: that many packed
+  documents per row (segment ids, the key side's own packing when S != T)."""
   mesh = _mesh((n_dev,), ("sp",))
   q, k, v, w, ql, kl = _inputs(seed, K=K, S=S, dtype=dtype)
   if not lens:
     ql = kl = None
   zz = layout == "zigzag"
   kw = dict(is_causal=causal, query_seq_lengths=ql, key_value_seq_lengths=kl)
+  ids = ()
+  if docs is not None:
+    rng = np.random.default_rng(seed)
+    q_ids = packed_ids(rng, B, T, docs)
+    ids = (jnp.asarray(q_ids), jnp.asarray(
+        q_ids if S == T else packed_ids(rng, B, S, docs)))
 
-  def full(q, k, v):
-    return jax_fa3.attention(q, k, v, **kw)
+  def full(q, k, v, *ids):
+    seg = dict(zip(("q_segment_ids", "kv_segment_ids"), ids))
+    return jax_fa3.attention(q, k, v, **kw, **seg)
 
-  def ringed(q, k, v):
+  def ringed(q, k, v, *ids):
     if zz:
       q, k, v = (ring.to_zigzag(x, n_dev) for x in (q, k, v))
+      ids = tuple(ring.to_zigzag(x, n_dev) for x in ids)
     spec = P(None, "sp")
     f = jax.shard_map(
-        lambda q, k, v: jax_fa3.ring_attention(q, k, v, axis_name="sp",
-                                               layout=layout, **kw),
-        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    o = f(q, k, v)
+        lambda q, k, v, *ids: jax_fa3.ring_attention(
+            q, k, v, axis_name="sp", layout=layout, **kw,
+            **dict(zip(("q_segment_ids", "kv_segment_ids"), ids))),
+        mesh=mesh, in_specs=(spec,) * (3 + len(ids)), out_specs=spec)
+    o = f(q, k, v, *ids)
     return ring.from_zigzag(o, n_dev) if zz else o
 
   loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w))
   with jax.default_device(CPUS[0]):
-    a = jax.jit(full)(q, k, v)
-    ga = jax.jit(jax.grad(loss(full), argnums=(0, 1, 2)))(q, k, v)
-  b = jax.jit(ringed)(q, k, v)
-  gb = jax.jit(jax.grad(loss(ringed), argnums=(0, 1, 2)))(q, k, v)
+    a = jax.jit(full)(q, k, v, *ids)
+    ga = jax.jit(jax.grad(loss(full), argnums=(0, 1, 2)))(q, k, v, *ids)
+  b = jax.jit(ringed)(q, k, v, *ids)
+  gb = jax.jit(jax.grad(loss(ringed), argnums=(0, 1, 2)))(q, k, v, *ids)
   return (a,) + tuple(ga), (b,) + tuple(gb)
 
 
@@ -385,6 +397,42 @@ def test_ring_attention_bf16_zigzag_8dev():
     np.testing.assert_allclose(np.asarray(a, np.float32),
                                np.asarray(b, np.float32), rtol=2e-2,
                                atol=2e-2)
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+@pytest.mark.parametrize("layout,causal,K,S", [
+    ("contiguous", False, 2, T), ("contiguous", True, 2, T),
+    ("zigzag", True, 2, T), ("zigzag", False, 1, T),
+    ("contiguous", False, 1, 48)])
+def test_ring_attention_segment_ids(monkeypatch, path, layout, causal, K, S):
+  # Packed rows (7 documents, one of length 1) over a 4-device ring: every
+  # step sees the ids of exactly its rows and keys (the key side's travel
+  # with K/V), so the ring equals the unsharded call, forward and gradients.
+  # "kernel": the primitives' path (each step's spans pre-pass included),
+  # which XLA:CPU lowers to the reference.
+  if path == "kernel":
+    monkeypatch.setattr(jax_fa3.api.V, "kernel_blocker", lambda *a: None)
+  want, got = _ring_vs_full(layout, causal, K=K, S=S, docs=7, seed=11)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+
+
+def test_ring_attention_segment_ids_errors():
+  q = jnp.zeros((1, 8, 2, 8))
+  mesh = _mesh((2,), ("sp",))
+  spec = P(None, "sp")
+
+  def run(ids, kv_ids=None, k=q):
+    f = lambda q, k, v: jax_fa3.ring_attention(
+        q, k, v, axis_name="sp", q_segment_ids=ids, kv_segment_ids=kv_ids)
+    return jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                         check_vma=False)(q, k, k)
+  with pytest.raises(ValueError, match=r"q_segment_ids must have shape"):
+    run(jnp.zeros((1, 8), jnp.int32))  # the global length, not the shard's
+  with pytest.raises(ValueError, match="kv_segment_ids must be given"):
+    run(jnp.zeros((1, 4), jnp.int32), k=jnp.zeros((1, 16, 2, 8)))
+  with pytest.raises(ValueError, match="integer"):
+    run(jnp.zeros((1, 4), jnp.float32))
 
 
 def test_zigzag_helpers():
@@ -555,29 +603,36 @@ def test_sharded_flax_train_step_matches_single_device(attention):
 
 
 # --------------------------------------------------------- one GPU (kernels)
-def _vmapped_ring(q, k, v, n_dev, layout, causal):
-  """The ring on one device: the shards are a vmapped named axis."""
+def _vmapped_ring(q, k, v, n_dev, layout, causal, ids=None):
+  """The ring on one device: the shards are a vmapped named axis; ``ids``:
+  segment ids [B, T] of q and k/v, or None."""
   Bq = q.shape[0]
   zz = layout == "zigzag"
   split = lambda x: jnp.moveaxis(
       (ring.to_zigzag(x, n_dev) if zz else x).reshape(
           (Bq, n_dev, x.shape[1] // n_dev) + x.shape[2:]), 1, 0)
-  o = jax.vmap(lambda a, b, c: jax_fa3.ring_attention(
-      a, b, c, axis_name="sp", is_causal=causal, layout=layout),
-      axis_name="sp")(split(q), split(k), split(v))
+  o = jax.vmap(lambda a, b, c, *i: jax_fa3.ring_attention(
+      a, b, c, axis_name="sp", is_causal=causal, layout=layout,
+      q_segment_ids=i[0] if i else None),
+      axis_name="sp")(split(q), split(k), split(v),
+                      *(() if ids is None else (split(ids),)))
   o = jnp.moveaxis(o, 0, 1).reshape(q.shape)
   return ring.from_zigzag(o, n_dev) if zz else o
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,causal", [("contiguous", False),
-                                           ("zigzag", True)])
-def test_gpu_ring_kernels_vs_fp32(layout, causal):
-  """Ring on the FFI kernels (bf16, d128, GQA): error <= 2x (fwd) / 3x (bwd)
-  of XLA attention in bf16, both against an fp32 reference."""
+@pytest.mark.parametrize("layout,causal,docs", [
+    ("contiguous", False, None), ("zigzag", True, None),
+    ("zigzag", True, 7), ("contiguous", False, 31)])
+def test_gpu_ring_kernels_vs_fp32(layout, causal, docs):
+  """Ring on the FFI kernels (bf16, d128, GQA; ``docs`` packed documents per
+  row as segment ids): error <= 2x (fwd) / 3x (bwd) of XLA attention in
+  bf16 (with the ids' dense mask), both against an fp32 reference."""
   gpu = jax.devices("gpu")[0]
   ks = jax.random.split(jax.random.key(0), 4)
   shp_q, shp_k = (2, 2048, 8, 128), (2, 2048, 2, 128)
+  ids = None if docs is None else jnp.asarray(packed_ids(3, 2, 2048, docs))
+  mask = None if ids is None else (ids[:, :, None] == ids[:, None, :])[:, None]
   with jax.default_device(gpu):
     q = jax.random.normal(ks[0], shp_q).astype(jnp.bfloat16)
     k = jax.random.normal(ks[1], shp_k).astype(jnp.bfloat16)
@@ -586,10 +641,11 @@ def test_gpu_ring_kernels_vs_fp32(layout, causal):
     f32 = lambda *a: tuple(x.astype(jnp.float32) for x in a)
 
     def xla(q, k, v):
-      return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+      return jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                          is_causal=causal,
                                           implementation="xla")
 
-    ours = lambda q, k, v: _vmapped_ring(q, k, v, 4, layout, causal)
+    ours = lambda q, k, v: _vmapped_ring(q, k, v, 4, layout, causal, ids)
     loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w))
     run = lambda f, *a: (jax.jit(f)(*a),) + tuple(
         jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(*a))
