@@ -84,24 +84,39 @@ def test_sinks_every_head_dim(cfg, causal):
   _check(cfg, is_causal=causal, ref_kw=dict(causal=causal))
 
 
-@pytest.mark.parametrize("cfg", PRIMARY, ids=cid)
-def test_sinks_compose(cfg):
-  _check(cfg, T=300, S=333, N=6, K=2, seed=1)  # T != S, odd, GQA 3
-  ql = jnp.array([300, 129], jnp.int32)
-  kl = jnp.array([200, 0], jnp.int32)  # row 1 sees no key: out 0, no NaN
-  got = _check(cfg, T=300, S=333, seed=2, is_causal=True,
-               query_seq_lengths=ql, key_value_seq_lengths=kl,
-               ref_kw=dict(causal=True, q_lens=ql, kv_lens=kl))
-  assert np.all(np.asarray(got[0])[1] == 0)
-  _check(cfg, T=777, S=777, seed=3, local_window_size=(100, 0), softcap=5.0,
-         ref_kw=dict(window=(100, 0), softcap=5.0))
-  _check(cfg, seed=4, is_causal=True, deterministic=True,
-         ref_kw=dict(causal=True))
+def _compose_case(name):
+  """``_check`` keywords of one composition (one test each, so that a
+  parallel run spreads them over its workers)."""
+  if name == "gqa_t_ne_s":  # T != S, odd, GQA 3
+    return dict(T=300, S=333, N=6, K=2, seed=1)
+  if name == "lens_row_without_keys":
+    ql = jnp.array([300, 129], jnp.int32)
+    kl = jnp.array([200, 0], jnp.int32)  # row 1 sees no key: out 0, no NaN
+    return dict(T=300, S=333, seed=2, is_causal=True, query_seq_lengths=ql,
+                key_value_seq_lengths=kl,
+                ref_kw=dict(causal=True, q_lens=ql, kv_lens=kl))
+  if name == "window_softcap":
+    return dict(T=777, S=777, seed=3, local_window_size=(100, 0),
+                softcap=5.0, ref_kw=dict(window=(100, 0), softcap=5.0))
+  if name == "deterministic":
+    return dict(seed=4, is_causal=True, deterministic=True,
+                ref_kw=dict(causal=True))
+  assert name == "segment_ids", name
   ids = jnp.asarray(np.repeat([0, 1, 2], [1, 300, 216])[None].repeat(2, 0),
                     jnp.int32)
   mask = (ids[:, :, None] == ids[:, None, :])[:, None]
-  _check(cfg, seed=5, is_causal=True, q_segment_ids=ids,
-         ref_kw=dict(causal=True, mask=mask))
+  return dict(seed=5, is_causal=True, q_segment_ids=ids,
+              ref_kw=dict(causal=True, mask=mask))
+
+
+@pytest.mark.parametrize("case", ["gqa_t_ne_s", "lens_row_without_keys",
+                                  "window_softcap", "deterministic",
+                                  "segment_ids"])
+@pytest.mark.parametrize("cfg", PRIMARY, ids=cid)
+def test_sinks_compose(cfg, case):
+  got = _check(cfg, **_compose_case(case))
+  if case == "lens_row_without_keys":
+    assert np.all(np.asarray(got[0])[1] == 0)
 
 
 @pytest.mark.parametrize("cfg", kernel_configs("fp8")[:1], ids=cid)

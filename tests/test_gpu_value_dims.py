@@ -76,22 +76,38 @@ def test_value_head_dim(cfg, causal):
   _check(cfg, is_causal=causal, ref_kw=dict(causal=causal))
 
 
+def _compose_case(name):
+  """``_check`` keywords of one composition (one test each, so that a
+  parallel run spreads them over its workers)."""
+  if name == "gqa_deterministic":
+    # T != S, GQA 3, a partial tile; deterministic: the same gradients twice
+    return dict(T=300, S=701, N=6, K=2, seed=1, is_causal=True,
+                deterministic=True, ref_kw=dict(causal=True))
+  if name == "lens_row_without_keys":
+    ql = jnp.array([300, 129], jnp.int32)
+    kl = jnp.array([200, 0], jnp.int32)  # row 1 sees no key: 0, no NaN
+    return dict(T=300, S=333, seed=2, query_seq_lengths=ql,
+                key_value_seq_lengths=kl, ref_kw=dict(q_lens=ql, kv_lens=kl))
+  if name == "window_softcap":
+    return dict(T=777, S=777, seed=3, local_window_size=(100, 0),
+                softcap=5.0, ref_kw=dict(window=(100, 0), softcap=5.0))
+  if name == "sinks":
+    return dict(seed=4, is_causal=True, sinks=True, ref_kw=dict(causal=True))
+  if name == "segment_ids":
+    ids = jnp.asarray(np.repeat([0, 1, 2], [1, 300, 216])[None].repeat(2, 0),
+                      jnp.int32)
+    mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+    return dict(seed=5, is_causal=True, q_segment_ids=ids,
+                ref_kw=dict(causal=True, mask=mask))
+  assert name == "decode_mqa", name
+  return dict(T=1, S=999, N=8, K=1, seed=6)
+
+
+@pytest.mark.parametrize("case", ["gqa_deterministic", "lens_row_without_keys",
+                                  "window_softcap", "sinks", "segment_ids",
+                                  "decode_mqa"])
 @pytest.mark.parametrize("cfg", PRIMARY, ids=_cid)
-def test_value_head_dim_compose(cfg):
-  # T != S, GQA 3, a partial tile; deterministic: the same gradients twice
-  _check(cfg, T=300, S=701, N=6, K=2, seed=1, is_causal=True,
-         deterministic=True, ref_kw=dict(causal=True))
-  ql = jnp.array([300, 129], jnp.int32)
-  kl = jnp.array([200, 0], jnp.int32)  # row 1 sees no key: 0, no NaN
-  got = _check(cfg, T=300, S=333, seed=2, query_seq_lengths=ql,
-               key_value_seq_lengths=kl, ref_kw=dict(q_lens=ql, kv_lens=kl))
-  assert np.all(np.asarray(got[0])[1] == 0)
-  _check(cfg, T=777, S=777, seed=3, local_window_size=(100, 0), softcap=5.0,
-         ref_kw=dict(window=(100, 0), softcap=5.0))
-  _check(cfg, seed=4, is_causal=True, sinks=True, ref_kw=dict(causal=True))
-  ids = jnp.asarray(np.repeat([0, 1, 2], [1, 300, 216])[None].repeat(2, 0),
-                    jnp.int32)
-  mask = (ids[:, :, None] == ids[:, None, :])[:, None]
-  _check(cfg, seed=5, is_causal=True, q_segment_ids=ids,
-         ref_kw=dict(causal=True, mask=mask))
-  _check(cfg, T=1, S=999, N=8, K=1, seed=6)  # decode-like, MQA
+def test_value_head_dim_compose(cfg, case):
+  got = _check(cfg, **_compose_case(case))
+  if case == "lens_row_without_keys":
+    assert np.all(np.asarray(got[0])[1] == 0)

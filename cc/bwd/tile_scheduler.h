@@ -67,9 +67,10 @@ struct BwdTileOrder {
   // sms / chunk KV heads are in flight, each reading and adding into its
   // query heads' Q, dO and fp32 dQ (8 bytes per row and head-dim column).
   // chunk_for takes kNarrowChunk where that working set fits in kL2Budget
-  // (the H200 has 60 MB of L2), else kDefaultChunk, or kWideChunk when it
-  // does not fit even then and there are at least kWideMinUnitsPerSm key
-  // blocks per SM. A chunk as wide as a head makes the order head-major
+  // (of the 50 MB L2; an upper bound under the descending walk, whose CTAs
+  // of one KV head touch the same query blocks), else kDefaultChunk, or
+  // kWideChunk when it does not fit even then and there are at least
+  // kWideMinUnitsPerSm key blocks per SM. A chunk as wide as a head makes the order head-major
   // again, so the last heads' longest key blocks start late: a tail that
   // grows with the GQA group (fewer, longer units). Narrower chunks against
   // that tail lost more in L2 than they gained (GQA 64/8 2k, chunk 1: 14%
