@@ -155,14 +155,32 @@ def from_mask(mask, kv_heads, T, S):
   return _pack_bits(mask), _pack_bits(mask_t), q_spans, kv_spans
 
 
-def from_segment_ids(q_ids, kv_ids):
+def _open_spans(batch, length):
+  """``[batch, ceil(length / GRANULE), 4]`` spans that narrow nothing (any
+  position may be seen, none surely is): correct for any ids, only slower."""
+  row = jnp.array([0, _BIG, _BIG, -_BIG], jnp.int32)
+  return jnp.broadcast_to(row, (batch, -(-length // GRANULE), 4))
+
+
+def from_segment_ids(q_ids, kv_ids, sides=("query", "key")):
   """int32 ``[B, T]`` / ``[B, S]`` ids -> the kernels' four operands
-  ``(q_ids, kv_ids, q_spans [B, Gt, 4], kv_spans [B, Gs, 4])``."""
+  ``(q_ids, kv_ids, q_spans [B, Gt, 4], kv_spans [B, Gs, 4])``.
+
+  ``sides``: the spans to compute; the other side's narrow nothing.  The
+  forward kernels read only the query side's, the backward only the key
+  side's: a call that feeds one of them alone computes its side."""
   same = q_ids is kv_ids  # self-attention over one packing: equal spans
   q_ids = q_ids.astype(jnp.int32)
   kv_ids = q_ids if same else kv_ids.astype(jnp.int32)
-  q_spans = jax.vmap(_granule_spans)(q_ids, kv_ids)
-  kv_spans = q_spans if same else jax.vmap(_granule_spans)(kv_ids, q_ids)
+  B, T, S = q_ids.shape[0], q_ids.shape[1], kv_ids.shape[1]
+  q_spans = (jax.vmap(_granule_spans)(q_ids, kv_ids) if "query" in sides
+             else _open_spans(B, T))
+  if same and "query" in sides:
+    kv_spans = q_spans
+  elif "key" in sides:
+    kv_spans = jax.vmap(_granule_spans)(kv_ids, q_ids)
+  else:
+    kv_spans = _open_spans(B, S)
   return q_ids, kv_ids, q_spans, kv_spans
 
 

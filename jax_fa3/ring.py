@@ -130,10 +130,11 @@ class _Plan:
 def kernel_steps(fwd, bwd):
   """A ring's local ``(fwd, bwd)`` from kernel calls that take the pair-rule
   operands after the lengths: a step's segment ids become those operands,
-  their spans computed from the step's pieces."""
-  ops = lambda ids: None if ids is None else pair_rule.from_segment_ids(*ids)
-  return (lambda *a, **kw: fwd(*a[:-1], ops(a[-1]), **kw),
-          lambda *a, **kw: bwd(*a[:-1], ops(a[-1]), **kw))
+  the spans its kernel reads computed from the step's pieces."""
+  def ops(ids, side):
+    return None if ids is None else pair_rule.from_segment_ids(*ids, sides=(side,))
+  return (lambda *a, **kw: fwd(*a[:-1], ops(a[-1], "query"), **kw),
+          lambda *a, **kw: bwd(*a[:-1], ops(a[-1], "key"), **kw))
 
 
 def _steps(plan, s):

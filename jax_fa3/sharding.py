@@ -551,7 +551,7 @@ def _prepass(fn, rule, group=None):
   return call
 
 
-_ids_prepass = _prepass(pair_rule.from_segment_ids,
+_ids_prepass = _prepass(lambda q, kv: pair_rule.from_segment_ids(q, kv),
                         "b i, b j -> b i, b j, b u c, b w c")
 _self_ids_prepass = _prepass(lambda ids: pair_rule.from_segment_ids(ids, ids),
                              "b i -> b i, b i, b u c, b u c")

@@ -314,6 +314,24 @@ def test_spans(kind):
   np.testing.assert_array_equal(kv_spans[0], _spans_bruteforce(b, a))
 
 
+@pytest.mark.parametrize("side", ["query", "key"])
+def test_spans_of_one_side(side):
+  # The side asked for is exact; the other narrows nothing: every position
+  # may be seen (its spans cover the whole other side), none surely is.
+  rng = np.random.default_rng(5)
+  a = np.sort(rng.integers(0, 6, 50)).astype(np.int32)  # queries
+  b = np.sort(rng.integers(2, 9, 83)).astype(np.int32)  # keys
+  _, _, q_spans, kv_spans = pair_rule.from_segment_ids(
+      jnp.asarray(a)[None], jnp.asarray(b)[None], sides=(side,))
+  rows, cols = (a, b) if side == "query" else (b, a)
+  asked, other = (q_spans, kv_spans) if side == "query" else (kv_spans, q_spans)
+  np.testing.assert_array_equal(asked[0], _spans_bruteforce(rows, cols))
+  other = np.asarray(other[0])
+  assert other.shape == (-(-len(cols) // 16), 4)
+  assert np.all((other[:, 0] <= 0) & (other[:, 1] >= len(rows)))
+  assert np.all(other[:, 2] >= other[:, 3])  # no full span
+
+
 def test_spans_with_hash_collisions():
   # Ids far apart share hash buckets: the spans may grow (never shrink) and
   # a full span may vanish (never cover a key some row does not see).
