@@ -139,14 +139,9 @@ def _local_fns(cfg):
                            _NO_SECOND_ORDER)(*args)
     return ring.kernel_steps(primitives.fa3_fwd, bwd)
 
-  def ref_fwd(*args, **attrs):
-    *arrays, ids = args
-    return reference.attention_fwd(*arrays, **_seg_kwargs(ids), **attrs)
-
-  def ref_bwd(*args, **attrs):
-    *arrays, ids = args
-    return reference.attention_bwd(*arrays, **_seg_kwargs(ids), **attrs)
-  return ref_fwd, ref_bwd
+  def with_ids(fn):  # the reference takes the ids as keywords
+    return lambda *a, **attrs: fn(*a[:-1], **_seg_kwargs(a[-1]), **attrs)
+  return with_ids(reference.attention_fwd), with_ids(reference.attention_bwd)
 
 
 def _ring_args(cfg):

@@ -551,6 +551,8 @@ def _prepass(fn, rule, group=None):
   return call
 
 
+# (a lambda: custom_partitioning would take from_segment_ids' keyword
+# default for an operand)
 _ids_prepass = _prepass(lambda q, kv: pair_rule.from_segment_ids(q, kv),
                         "b i, b j -> b i, b j, b u c, b w c")
 _self_ids_prepass = _prepass(lambda ids: pair_rule.from_segment_ids(ids, ids),

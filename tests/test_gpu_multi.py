@@ -151,17 +151,24 @@ def _truth(B, T, S, H, causal, lens, seed=0):
 # ------------------------------------------------------------------ layouts
 def _ring_attn(mesh, layout, causal):
   """Natural-order global arrays -> ring attention in shard_map over "sp"
-  (zig-zag: permuted in and out inside the program)."""
+  (zig-zag: permuted in and out inside the program); ``ids``: segment ids
+  [B, T] of q and k/v, sharded like them."""
   n = mesh.size
   spec = P(None, "sp")
   zz = layout == "zigzag"
 
-  def attn(q, k, v, ql, kl):
+  def attn(q, k, v, ql, kl, ids=None):
     if zz:
       q, k, v = (ring.to_zigzag(x, n) for x in (q, k, v))
+      ids = None if ids is None else ring.to_zigzag(ids, n)
     kw = dict(axis_name="sp", is_causal=causal, layout=layout,
               implementation=IMPL)
-    if ql is None:
+    if ids is not None:
+      local = lambda q, k, v, ids: jax_fa3.ring_attention(
+          q, k, v, q_segment_ids=ids, **kw)
+      o = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4,
+                        out_specs=spec)(q, k, v, ids)
+    elif ql is None:
       local = lambda q, k, v: jax_fa3.ring_attention(q, k, v, **kw)
       o = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3,
                         out_specs=spec)(q, k, v)
@@ -360,19 +367,11 @@ def test_ring_segment_ids_match_single_gpu(layout, causal):
     return jax.nn.dot_product_attention(q, k, v, mask=mask,
                                         implementation="xla")
 
-  n = len(DEVS)
-  mesh, spec = _mesh((n,), ("sp",)), P(None, "sp")
-  zz = layout == "zigzag"
+  mesh, spec = _mesh((len(DEVS),), ("sp",)), P(None, "sp")
+  ring_attn = _ring_attn(mesh, layout, causal)
 
   def ringed(q, k, v, ids):
-    if zz:
-      q, k, v, ids = (ring.to_zigzag(x, n) for x in (q, k, v, ids))
-    local = lambda q, k, v, ids: jax_fa3.ring_attention(
-        q, k, v, axis_name="sp", is_causal=causal, layout=layout,
-        q_segment_ids=ids, implementation=IMPL)
-    o = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4,
-                      out_specs=spec)(q, k, v, ids)
-    return ring.from_zigzag(o, n) if zz else o
+    return ring_attn(q, k, v, None, None, ids)
 
   f32 = lambda x: x.astype(jnp.float32)
   with jax.default_matmul_precision("highest"):
