@@ -88,6 +88,29 @@ def test_quantize_kernel_matches_emulation(h, dtype, block_scales, hadamard):
     assert np.all(np.abs(a - b)[diff] <= np.abs(b[diff]) * 0.13 + 2.0 ** -9)
 
 
+@pytest.mark.parametrize("v_transposed", [False, True])
+def test_quantize_kernel_batch_past_one_grid(v_transposed):
+  """3 x 22000 (tensor, batch) pairs are more than a grid's z dimension
+  holds (65535): the pre-pass launches in batch slices; every row of every
+  slice must match the emulation."""
+  h = DIMS[0]
+  q, k, v = make_inputs(seed_of(h, "batch"), 22000, 2, 3, 1, 1, h, "bfloat16")
+  kw = dict(block_scales=True, hadamard=True, seed=1)
+  got = _quant_jit(q, k, v, use_kernel=True, v_transposed=v_transposed, **kw)
+  with jax.default_device(jax.devices("cpu")[0]):
+    want = fp8.quantize_qkv(q, k, v, use_kernel=False, **kw)
+    if v_transposed:
+      want = want[:2] + (fp8.to_vt_layout(want[2]),) + want[3:]
+  for a, b in zip(got[3:], want[3:]):  # scales
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5)
+  for a, b in zip(got[:3], want[:3]):
+    a = np.asarray(a).astype(np.float32)
+    b = np.asarray(b).astype(np.float32)
+    assert a.shape == b.shape
+    assert (a != b).mean() < 2e-3
+    assert np.all(np.abs(a - b) <= np.abs(b) * 0.13 + 2.0 ** -9)
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_quantize_kernel_tiny_block_is_finite(hadamard):
   """A block whose amax / 448 is below the smallest normal float: the scale's

@@ -301,16 +301,32 @@ cudaError_t launch_typed(const QuantParams& params, cudaStream_t stream) {
     max_heads = std::max(max_heads, t.heads);
   }
   if (p.num_tensors <= 0 || p.num_tensors > 3 || p.b <= 0 || max_rb == 0 || max_heads == 0) { return cudaSuccess; }
-  if (max_heads > 65535 || p.num_tensors * p.b > 65535) { return cudaErrorInvalidValue; }
+  if (max_heads > 65535) { return cudaErrorInvalidValue; }
   // The staged block, or just the V^T tile.
   constexpr int kSmem = kMaxBlockRows * kD * (kStagedFor<kD> ? int(sizeof(T)) : 1);
   if (kSmem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(quantize_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (e != cudaSuccess) { return e; }
   }
-  const dim3 grid(unsigned(max_rb), unsigned(max_heads), unsigned(p.num_tensors * p.b));
-  quantize_kernel<T, kD><<<grid, kThreadsFor<kD>, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  // gridDim.z holds (tensor, batch) and stops at 65535: a larger batch launches
+  // in slices, each with its tensors' pointers moved to its first batch row.
+  const int slice = 65535 / p.num_tensors;
+  for (int b0 = 0; b0 < params.b; b0 += slice) {
+    QuantParams c = p;
+    c.b = std::min(slice, params.b - b0);
+    for (int i = 0; i < c.num_tensors; ++i) {
+      QuantTensor& t = c.t[i];
+      const int64_t elems = int64_t(b0) * t.seq * t.heads * kD;  // of x, and of out when not transposed
+      t.x = static_cast<const T*>(t.x) + elems;
+      t.out = static_cast<uint8_t*>(t.out) + (t.transpose ? int64_t(b0) * t.heads * kD * fp8_vt_seq(t.seq) : elems);
+      t.scales += int64_t(b0) * t.heads * t.num_rb;
+    }
+    const dim3 grid(unsigned(max_rb), unsigned(max_heads), unsigned(c.num_tensors * c.b));
+    quantize_kernel<T, kD><<<grid, kThreadsFor<kD>, kSmem, stream>>>(c);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) { return e; }
+  }
+  return cudaSuccess;
 }
 
 template <class T>
