@@ -18,6 +18,7 @@
 #include "producer.h"
 #include "mainloop.h"
 #include "epilogue.h"
+#include "dq_writer.h"
 #include "pre_post.h"
 
 namespace jax_fa3 {
@@ -35,7 +36,7 @@ struct BwdKernelParams {
 };
 
 // Deterministic (== params.bwd.deterministic) is a kernel parameter: it picks
-// the dQ protocol in the mainloop (BwdTraits::kDeferDqIssue), and as a run-time
+// the dQ protocol (the semaphore turns, mainloop.h and dq_writer.h), and as a run-time
 // branch there it cost the default path spills and half its gain.
 template <class Traits, bool Deterministic>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
@@ -48,6 +49,7 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   using PipelineKV = typename Traits::PipelineKV;
   using Mainloop = BwdMainloop<Traits>;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr bool kDqWriter = Traits::kDqWriter;
 
   extern __shared__ char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -88,6 +90,12 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
   pt.producer_arv_count = 1;
   pt.consumer_arv_count = Traits::kNumMmaThreads;
   PipelineTile pipe_tile(smem.pipe_tile, pt);  // initializes the slot barriers
+  if constexpr (kDqWriter) {
+    typename Traits::PipelineDq::Params pd;
+    pd.producer_arv_count = Traits::kNumMmaThreads;  // every consumer thread stages a part
+    pd.consumer_arv_count = 1;                       // the writer's elected lane
+    typename Traits::PipelineDq pipe_dq(smem.pipe_dq, pd);  // initializes its barriers
+  }
   __syncthreads();  // barrier init visible to all
   auto& tile_full = smem.pipe_tile.full_barrier_;
   auto& tile_empty = smem.pipe_tile.empty_barrier_;
@@ -116,6 +124,8 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
       // Do not retire while loads this thread issued could still be landing.
       pipe_qdo.producer_tail(state);
       pipe_kv.producer_tail(state_kv);
+    } else if constexpr (kDqWriter) {
+      if (roles.warp_in_group == 1) { BwdDqWriter<Traits, Deterministic>::run(p, smem); }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
@@ -164,10 +174,12 @@ bwd_kernel(CUTE_GRID_CONSTANT const BwdKernelParams<Traits> params) {
         }
         // A key block no query sees still writes its (zero) gradients.
         if (!stored_by_other) {
+          if constexpr (kDqWriter) { mainloop.dq_writer.drain(smem); }  // dK/dV stage in the dQ buffers
           BwdEpilogue<Traits, Params>::store(params, smem, mma_tid, n_block, kv_head, batch, acc_dk, acc_dv, sums);
         }
         tile_empty[it & 1].arrive();
       }
+      if constexpr (kDqWriter) { mainloop.dq_writer.stop(smem, mma_tid); }
     };
     if (p.softcap > 0.f) { tile_loop(cute::true_type{}); } else { tile_loop(cute::false_type{}); }
     // Shared memory must stay valid until the last stores and dQ bulk

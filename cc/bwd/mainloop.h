@@ -14,6 +14,7 @@
 #include "../common/bias.h"
 #include "../common/mask.h"
 #include "dq_accum.h"
+#include "dq_writer.h"
 #include "tile_scheduler.h"
 #include "../common/barriers.h"
 #include "../common/utils.h"
@@ -39,18 +40,8 @@ struct BwdMainloop {
   typename Traits::TiledMmadV mma_dv;
   typename Traits::TiledMmaQ mma_q;
   int dq_buf = 0;  // staging buffer of the next dQ reduce (kDqBufs > 1), kept across tiles
+  BwdDqHandoff<Traits> dq_writer;  // Traits::kDqWriter launches: blocks handed to the writer warp
 
-  // Deterministic dQ: key block j adds to query block m only when the
-  // semaphore of m reaches its turn (KeyBlockMask::dq_turn), so the fp32 sum
-  // is formed in one fixed order.
-  CUTE_DEVICE static void spin_until(const int* sem, int turn) {
-    int v;
-    for (;;) {
-      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
-      if (v == turn) { break; }
-      __nanosleep(40);
-    }
-  }
   // Softcap is a template parameter: the plain path then keeps neither the
   // raw scores nor the tanh-derivative selects live (registers are tight).
   // So is Deterministic (== p.deterministic; a kernel parameter, kernel.h).
@@ -114,32 +105,12 @@ struct BwdMainloop {
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdQReady);
       if (mma_tid == 0) {
-        int* sem = p.semaphore + index;
-        if constexpr (Deterministic) {
-          spin_until(sem, mask.dq_turn(n_block, m));
-          asm volatile("fence.proxy.async.global;" ::: "memory");  // acquire -> async-proxy adds
-        }
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                     :: "l"(p.dq_accum + index * (kBlockM * kHeadDim)), "r"(cute::cast_smem_ptr_to_uint(dq_stage())),
-                        "r"(int(kBlockM * kHeadDim * sizeof(float)))
-                     : "memory");
-        tma_store_arrive();
-        if constexpr (Deterministic) {
-          // Complete (not only read out) before handing the turn on.
-          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-          asm volatile("fence.proxy.async.global;" ::: "memory");
-          __threadfence();
-          atomicAdd(sem, 1);
-        }
+        dq_bulk_add<Deterministic>(p.semaphore + index, Deterministic ? mask.dq_turn(n_block, m) : 0,
+                                   p.dq_accum + index * (kBlockM * kHeadDim), dq_stage(),
+                                   int(kBlockM * kHeadDim * sizeof(float)));
       }
       if constexpr (Traits::kDqBufs > 1) { dq_buf ^= 1; }
     };
-    // Register path: the query block whose dQ is staged but not yet issued
-    // (Traits::kDeferDqIssue). Its barrier and bulk reduce wait until the next
-    // block's S/dP GEMMs are in flight, so they no longer sit between dK and
-    // the next block's GEMMs.
-    int64_t dq_pending = -1;  // its dq_index
-
     for (BwdBlockWalk<!Deterministic> walk(group, mask.m_block_min, mask.m_block_max); walk.valid(); walk.next()) {
       const int head = kv_head * group + walk.g, m_block = walk.m;
       if constexpr (Traits::kFreshThreadIndex) { asm volatile("" : "+r"(mma_tid)); }
@@ -177,10 +148,6 @@ struct BwdMainloop {
       // Recomputed where used: one more register live across the loop spilled.
       auto bias_to_x = [&] { return 1.f / (softcap ? p.softcap : p.scale); };
       const int m_start = m_block * kBlockM;
-      if (dq_pending >= 0) {
-        issue_dq(dq_pending, 0);
-        dq_pending = -1;
-      }
       const float* lse_s = smem.lse.data() + state.index() * kBlockM;
       const float* delta_s = smem.delta.data() + state.index() * kBlockM;
       Tensor s = as_rowcol(tSrS);
@@ -255,8 +222,9 @@ struct BwdMainloop {
       }
       convert_into(tSrdP, rdS);
       Tensor acc_dq = partition_fragment_C(mma_q, TileQc{});
-      // dQ(m block) += this key block's share, reduced in L2. The bulk path
-      // stages the block (stage_dq) and issues its reduce later (issue_dq).
+      // dQ(m block) += this key block's share, reduced in L2. Where there is no
+      // writer warp (d64, d >= 192) the consumers stage the block (stage_dq)
+      // and issue the bulk reduce themselves (issue_dq).
       auto reduce_dq = [&] {
         CUTLASS_PRAGMA_UNROLL
         for (int chunk = 0; chunk < kDqChunks; ++chunk) {
@@ -275,13 +243,8 @@ struct BwdMainloop {
       if constexpr (!Traits::kStagePdS) {
         // Stage dS: the other warpgroup's dQ GEMM of the previous block is done
         // reading (FREE), and all rows are written before any dQ GEMM (READY).
-        // The same FREE also frees this block's dQ staging buffer
-        // (Traits::kDqFreeWithdS): thread 0 waits first for the bulk reduce
-        // that last read it (two blocks back). At d64 reduce_dq waits on the
-        // buffer's own FREE barrier instead, just before staging.
-        constexpr bool kDefer = Traits::kDeferDqIssue && !Deterministic;
-        constexpr bool kFreeWithdS = Traits::kDqFreeWithdS;
-        if (kFreeWithdS && mma_tid == 0) { tma_store_wait<Traits::kDqBufs - 1>(); }
+        // The dQ staging buffer is the writer's (Traits::kDqWriter) or, at d64,
+        // freed by its own barrier in reduce_dq just before staging.
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierdSFree);
         copy(r2s, thr_r2s.retile_S(rdS), tR2SsdS);
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
@@ -292,13 +255,11 @@ struct BwdMainloop {
         warpgroup_gemm<false, -1>(mma_kv, tKVrdS, tKVrQt(_, _, _, state.index()), acc_dk);
         warpgroup_wait<1>();  // dV and dQ retired
         warpgroup_fence_operand(acc_dq);
-        if (kFreeWithdS) {
+        if constexpr (Traits::kDqWriter) {
+          dq_writer.acquire(smem);
+          dq_buf = dq_writer.buf();
           stage_dq(acc_dq, 0);
-          if (kDefer) {
-            dq_pending = dq_index(head, m_block);
-          } else {
-            issue_dq(dq_index(head, m_block), m_block);
-          }
+          dq_writer.commit(smem, mma_tid, dq_index(head, m_block), Deterministic ? mask.dq_turn(n_block, m_block) : 0);
         } else {
           reduce_dq();
         }
@@ -331,7 +292,6 @@ struct BwdMainloop {
       // d256) overlaps it; later dQ chunks read only dS and K, not the stage.
       if constexpr (Traits::kStagePdS) { reduce_dq(); }
     }
-    if (dq_pending >= 0) { issue_dq(dq_pending, 0); }
   }
 };
 

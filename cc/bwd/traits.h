@@ -161,16 +161,13 @@ struct BwdTraits {
 
   // dQ staging buffers: two on the register path (d <= 128); the staged path (d >= 192) has no room for a second.
   static constexpr int kDqBufs = kStagePdS ? 1 : 2;
-  // Register path: the dQ staging buffer is freed by the dS FREE barrier
-  // (BwdMainloop), not by a barrier of its own. Not at d64, where its own
-  // barrier just before staging is faster.
-  static constexpr bool kDqFreeWithdS = !kStagePdS && HeadDim != 64;
-  // Issue a block's dQ bulk reduce (barrier + bulk copy) only once the next
-  // block's S/dP GEMMs are in flight, so the tensor cores do not idle across
-  // the loop turn (BwdMainloop). Needs the folded free barrier above; at d64
-  // it also cost registers (more stack, slower). Never in deterministic mode:
-  // every semaphore hand-off to the next key block would come later.
-  static constexpr bool kDeferDqIssue = kDqFreeWithdS;
+  // Register path (not d64, whose own FREE barrier just before staging is
+  // faster): a warp of the producer warpgroup adds the staged dQ blocks into
+  // the accumulator (dq_writer.h), so the consumers neither wait for one
+  // another to issue the reduce nor for its reads (nor, in deterministic
+  // mode, for the block's turn).
+  static constexpr bool kDqWriter = !kStagePdS && HeadDim != 64;
+  static_assert(!kDqWriter || kDqBufs == 2, "the writer alternates two staging buffers");
   // Rebuild every per-thread index of the mainloop (fragment coordinates,
   // stmatrix and dQ staging offsets) each query block from an opaque thread
   // index (BwdMainloop). Only at d64, whose two 128-row S/dP tiles leave no
@@ -185,6 +182,7 @@ struct BwdTraits {
   // Persistent CTAs (kernel.h): the producer hands each next tile index to
   // the consumers through shared memory, one tile ahead.
   using PipelineTile = cutlass::PipelineAsync<2>;
+  using PipelineDq = cutlass::PipelineAsync<2>;  // dQ staging buffers -> the writer warp (dq_writer.h)
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
@@ -207,7 +205,10 @@ struct BwdTraits {
     typename PipelineQdO::SharedStorage pipe_qdo;
     typename PipelineKV::SharedStorage pipe_kv;
     typename PipelineTile::SharedStorage pipe_tile;
+    typename PipelineDq::SharedStorage pipe_dq;
     int tile_id[2];  // per PipelineTile stage
+    int64_t dq_target[2];  // per dQ staging buffer: its accumulator block, < 0 stops the writer (dq_writer.h)
+    int dq_turn[2];        // deterministic: the semaphore value at which the block may add
     int split_last;  // split key blocks: this share finished last (epilogue.h)
   };
   static constexpr int kdKVStageElems = cute::cosize_v<SmemLayoutK>;  // dK, then dV, in SharedStorage::dq
