@@ -53,6 +53,20 @@ _quant_jit = jax.jit(fp8.quantize_qkv, static_argnames=(
     "block_scales", "hadamard", "seed", "use_kernel", "v_transposed"))
 
 
+def _assert_quantized_match(got, want):
+  """The pre-pass's (q8, k8, v8, scales...) against the emulation's: scales
+  to float32 rounding, e4m3 values equal but for rare ties (one e4m3 step)."""
+  for a, b in zip(got[3:], want[3:]):  # scales
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5)
+  for a, b in zip(got[:3], want[:3]):
+    a = np.asarray(a).astype(np.float32)
+    b = np.asarray(b).astype(np.float32)
+    assert a.shape == b.shape
+    diff = a != b
+    assert diff.mean() < 2e-3, diff.mean()
+    assert np.all(np.abs(a - b)[diff] <= np.abs(b[diff]) * 0.13 + 2.0 ** -9)
+
+
 @pytest.mark.parametrize("h", DIMS)
 @pytest.mark.parametrize("s", [77, 128, 300])
 def test_quantize_kernel_vt_layout(h, s):
@@ -78,14 +92,7 @@ def test_quantize_kernel_matches_emulation(h, dtype, block_scales, hadamard):
   got = _quant_jit(q, k, v, use_kernel=True, **kw)
   with jax.default_device(jax.devices("cpu")[0]):
     want = fp8.quantize_qkv(q, k, v, use_kernel=False, **kw)
-  for a, b in zip(got[3:], want[3:]):  # scales
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5)
-  for a, b in zip(got[:3], want[:3]):  # e4m3 values: equal but for rare ties
-    a = np.asarray(a).astype(np.float32)
-    b = np.asarray(b).astype(np.float32)
-    diff = a != b
-    assert diff.mean() < 2e-3, diff.mean()
-    assert np.all(np.abs(a - b)[diff] <= np.abs(b[diff]) * 0.13 + 2.0 ** -9)
+  _assert_quantized_match(got, want)
 
 
 @pytest.mark.parametrize("v_transposed", [False, True])
@@ -101,14 +108,7 @@ def test_quantize_kernel_batch_past_one_grid(v_transposed):
     want = fp8.quantize_qkv(q, k, v, use_kernel=False, **kw)
     if v_transposed:
       want = want[:2] + (fp8.to_vt_layout(want[2]),) + want[3:]
-  for a, b in zip(got[3:], want[3:]):  # scales
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5)
-  for a, b in zip(got[:3], want[:3]):
-    a = np.asarray(a).astype(np.float32)
-    b = np.asarray(b).astype(np.float32)
-    assert a.shape == b.shape
-    assert (a != b).mean() < 2e-3
-    assert np.all(np.abs(a - b) <= np.abs(b) * 0.13 + 2.0 ** -9)
+  _assert_quantized_match(got, want)
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
