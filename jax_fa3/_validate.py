@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 
 KERNEL_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# What the 16-bit API takes: the kernels' dtypes, and float32 (the reference).
+INPUT_DTYPES = KERNEL_DTYPES + (np.dtype(jnp.float32),)
 PRECISIONS = (None, "fp8")
 
 
@@ -22,9 +24,10 @@ def as_array(x, name):
     raise ValueError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
-def check_qkv(query, key, value, *, ndim=4, value_head_dim=False):
+def check_qkv(query, key, value, *, ndim=4, value_head_dim=False,
+              dtypes=INPUT_DTYPES):
   """Checks q [B,T,N,H], k/v [B,S,K,H] (v [B,S,K,Hv] with any Hv if
-  ``value_head_dim``); returns the three arrays."""
+  ``value_head_dim``) of one of ``dtypes``; returns the three arrays."""
   q, k, v = (as_array(query, "query"), as_array(key, "key"),
              as_array(value, "value"))
   for name, t in (("query", q), ("key", k), ("value", v)):
@@ -32,9 +35,9 @@ def check_qkv(query, key, value, *, ndim=4, value_head_dim=False):
       form = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
       raise ValueError(f"{name} must be a rank-{ndim} array of shape {form}, "
                        f"got shape {t.shape}")
-    if not jnp.issubdtype(t.dtype, jnp.floating):
-      raise ValueError(f"{name} must have a floating dtype (bfloat16, float16 "
-                       f"or float32), got {t.dtype}")
+    if t.dtype not in dtypes:
+      raise ValueError(f"{name} must have dtype "
+                       f"{' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError("query, key and value must have the same dtype, got "
                      f"{q.dtype}, {k.dtype}, {v.dtype}")
@@ -123,14 +126,22 @@ def _static_scalar(x, name):
   return x
 
 
+def _finite_f32(x):
+  """A real number that stays finite as float32 (the kernels' and the
+  reference's type for scale and softcap: 1e39 would become inf there)."""
+  if not is_real(x) or not math.isfinite(float(x)):
+    return False
+  with np.errstate(over="ignore"):
+    return bool(np.isfinite(np.float32(float(x))))
+
+
 def check_softcap(softcap):
   if softcap is None:
     return 0.0
   softcap = _static_scalar(softcap, "softcap")
-  if not is_real(softcap) or not math.isfinite(float(softcap)) or \
-      float(softcap) <= 0:
-    raise ValueError("softcap must be None or a positive finite number, got "
-                     f"{softcap!r}")
+  if not _finite_f32(softcap) or float(softcap) <= 0:
+    raise ValueError("softcap must be None or a positive number finite in "
+                     f"float32, got {softcap!r}")
   return float(softcap)
 
 
@@ -140,8 +151,9 @@ def check_scale(scale, head_dim):
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
   scale = _static_scalar(scale, "scale")
-  if not is_real(scale) or not math.isfinite(float(scale)):
-    raise ValueError(f"scale must be None or a finite number, got {scale!r}")
+  if not _finite_f32(scale):
+    raise ValueError("scale must be None or a number finite in float32, got "
+                     f"{scale!r}")
   return float(scale)
 
 
@@ -262,9 +274,9 @@ def check_sinks(sinks, num_heads):
   if sinks is None:
     return None
   s = as_array(sinks, "sinks")
-  if not jnp.issubdtype(s.dtype, jnp.floating):
-    raise ValueError(f"sinks must be a floating (float32) array of shape "
-                     f"[N]=({num_heads},), got dtype {s.dtype}")
+  if s.dtype not in INPUT_DTYPES:  # 16-bit sinks are widened to float32
+    raise ValueError(f"sinks must be a float32 (or bfloat16 / float16) array "
+                     f"of shape [N]=({num_heads},), got dtype {s.dtype}")
   if s.shape != (num_heads,):
     raise ValueError(f"sinks must have shape [N]=({num_heads},) (one logit "
                      f"per query head), got {s.shape}")

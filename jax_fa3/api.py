@@ -256,6 +256,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         local_window_size=local_window_size, implementation=implementation,
         return_residual=return_residual)
   V.check_implementation(implementation, _OWN_IMPLS + ("xla", "cudnn"))
+  V.check_bool(return_residual, "return_residual")
   q, k, v = (V.as_array(query, "query"), V.as_array(key, "key"),
              V.as_array(value, "value"))
   if not (q.ndim == k.ndim == v.ndim and q.ndim in (3, 4)):

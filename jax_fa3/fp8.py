@@ -383,7 +383,7 @@ def check_fp8_operands(q8, k8, v8, q_scale, k_scale, v_scale):
   if any(x.dtype != np.dtype(_E4M3) for x in arrs):
     raise ValueError("attention_fp8 needs float8_e4m3fn query/key/value, got "
                      f"{[str(x.dtype) for x in arrs]}")
-  q8, k8, v8 = V.check_qkv(*arrs)
+  q8, k8, v8 = V.check_qkv(*arrs, dtypes=(np.dtype(_E4M3),))
   b, t, n, h = q8.shape
   s, kh = k8.shape[1], k8.shape[2]
   bn = kv_block_rows(h)

@@ -222,8 +222,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   q = V.as_array(q, "q")
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Tq, N, H], got shape {q.shape}")
-  if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise ValueError(f"q must have a floating dtype, got {q.dtype}")
+  if q.dtype not in V.INPUT_DTYPES:
+    raise ValueError("q must have dtype bfloat16, float16 or float32, got "
+                     f"{q.dtype}")
   B, Tq, N, H = q.shape
   if (k_new is None) != (v_new is None):
     raise ValueError("k_new and v_new go together")

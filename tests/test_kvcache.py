@@ -183,6 +183,10 @@ def test_deterministic_and_num_splits_accepted():
 
 @pytest.mark.parametrize("change,match", [
     (dict(q=np.zeros((2, 1, 4))), r"q must be \[B, Tq, N, H\]"),
+    (dict(q=np.zeros((2, 1, 4, 16), jnp.float8_e4m3fn),
+          k_cache=np.zeros((2, 64, 2, 16), jnp.float8_e4m3fn),
+          v_cache=np.zeros((2, 64, 2, 16), jnp.float8_e4m3fn)), "q must have dtype"),
+    (dict(softcap=1e39), "finite in float32"),
     (dict(k_new=np.zeros((2, 1, 2, 16), np.float32)), "k_new and v_new go together"),
     (dict(cache_seqlens=np.zeros((3,), np.int32)), r"cache_seqlens must be .* \[2\]"),
     (dict(cache_seqlens=np.zeros((2,), np.float32)), "cache_seqlens must be an integer"),

@@ -164,8 +164,14 @@ def test_sinks_validation():
     jax_fa3.attention(q, k, v, sinks=s[:2])
   with pytest.raises(ValueError, match="sinks must have shape"):
     jax_fa3.attention(q, k, v, sinks=s[None])
-  with pytest.raises(ValueError, match="floating"):
-    jax_fa3.attention(q, k, v, sinks=jnp.zeros((4,), jnp.int32))
+  for dtype in (jnp.int32, jnp.float8_e4m3fn):
+    with pytest.raises(ValueError, match="float32"):
+      jax_fa3.attention(q, k, v, sinks=jnp.zeros((4,), dtype))
+  # 16-bit sinks are widened, as documented: same result as float32 ones.
+  s16 = s.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(
+      jax_fa3.attention(q, k, v, sinks=s16),
+      jax_fa3.attention(q, k, v, sinks=s16.astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("hv", [8, 24])
