@@ -24,6 +24,12 @@ def as_array(x, name):
     raise ValueError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
+def check_dtype(t, name, dtypes=INPUT_DTYPES):
+  if t.dtype not in dtypes:
+    raise ValueError(f"{name} must have dtype "
+                     f"{' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+
+
 def check_qkv(query, key, value, *, ndim=4, value_head_dim=False,
               dtypes=INPUT_DTYPES):
   """Checks q [B,T,N,H], k/v [B,S,K,H] (v [B,S,K,Hv] with any Hv if
@@ -35,9 +41,7 @@ def check_qkv(query, key, value, *, ndim=4, value_head_dim=False,
       form = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
       raise ValueError(f"{name} must be a rank-{ndim} array of shape {form}, "
                        f"got shape {t.shape}")
-    if t.dtype not in dtypes:
-      raise ValueError(f"{name} must have dtype "
-                       f"{' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    check_dtype(t, name, dtypes)
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError("query, key and value must have the same dtype, got "
                      f"{q.dtype}, {k.dtype}, {v.dtype}")
@@ -274,9 +278,7 @@ def check_sinks(sinks, num_heads):
   if sinks is None:
     return None
   s = as_array(sinks, "sinks")
-  if s.dtype not in INPUT_DTYPES:  # 16-bit sinks are widened to float32
-    raise ValueError(f"sinks must be a float32 (or bfloat16 / float16) array "
-                     f"of shape [N]=({num_heads},), got dtype {s.dtype}")
+  check_dtype(s, "sinks")  # 16-bit sinks are widened to float32
   if s.shape != (num_heads,):
     raise ValueError(f"sinks must have shape [N]=({num_heads},) (one logit "
                      f"per query head), got {s.shape}")

@@ -222,9 +222,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None,
   q = V.as_array(q, "q")
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Tq, N, H], got shape {q.shape}")
-  if q.dtype not in V.INPUT_DTYPES:
-    raise ValueError("q must have dtype bfloat16, float16 or float32, got "
-                     f"{q.dtype}")
+  V.check_dtype(q, "q")
   B, Tq, N, H = q.shape
   if (k_new is None) != (v_new is None):
     raise ValueError("k_new and v_new go together")
